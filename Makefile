@@ -1,0 +1,36 @@
+# `make demo` and `make test` create .venv on first use and install what they need.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The CUDA builds of these releases; pip takes them from the local wheel store where it has one.
+TORCH := torch==2.14.1 torchvision==0.29.1
+NPROC ?= 2
+DEMO_FLAGS ?= --epochs 12 -b 128 --lr 0.02 -j 1 -p 20 --out-dir runs/demo
+
+.PHONY: demo test lint format clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+# 2-process DDP on the built-in dataset: gloo on CPU, NCCL on CUDA (chosen by ddptrain).
+demo: $(STAMP)
+	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m ddptrain train $(DEMO_FLAGS)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests bench
+	$(BIN)/ruff check --fix src tests bench
+
+clean:
+	rm -rf $(VENV) runs

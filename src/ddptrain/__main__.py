@@ -1,0 +1,5 @@
+import sys
+
+from ddptrain.cli import main
+
+sys.exit(main())

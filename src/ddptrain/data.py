@@ -1,0 +1,193 @@
+"""Datasets, transform presets, the global-batch sampler and the loaders.
+
+Data order is world-size invariant: one permutation per epoch, seeded by seed and epoch, cut
+into global batches, each split in equal slices across ranks. Each sample also carries its own
+augmentation seed, so sample i of epoch e is augmented the same on any rank, with any number of
+loader workers.
+"""
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torchvision import datasets
+from torchvision.transforms import v2
+
+from ddptrain.config import Config
+from ddptrain.distributed import DistEnv
+from ddptrain.errors import UserError
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+DUMMY_TRAIN, DUMMY_VAL, DUMMY_CLASSES = 1_281_167, 50_000, 1000  # ImageNet's sizes
+
+
+def _to_normalized_tensor() -> list:
+    return [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)]
+
+
+def train_transform(size: int) -> v2.Compose:
+    return v2.Compose(
+        [v2.RandomResizedCrop(size), v2.RandomHorizontalFlip(), *_to_normalized_tensor()]
+    )
+
+
+def val_transform(size: int) -> v2.Compose:
+    return v2.Compose(
+        [v2.Resize(round(size / 0.875)), v2.CenterCrop(size), *_to_normalized_tensor()]
+    )
+
+
+def load_rgb(path: str) -> Image.Image:
+    """PIL loader that names the file when it cannot be decoded."""
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as err:
+        raise UserError(f"cannot read image {path}: {err}") from None
+
+
+class ImageFolder(datasets.ImageFolder):
+    """torchvision's ImageFolder that skips hidden folders (.ipynb_checkpoints, .Trash, ...)."""
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        classes = sorted(
+            e.name for e in os.scandir(directory) if e.is_dir() and not e.name.startswith(".")
+        )
+        if not classes:
+            raise FileNotFoundError(f"no class folders in {directory}")
+        return classes, {name: i for i, name in enumerate(classes)}
+
+
+def _image_folder(root: Path, transform) -> ImageFolder:
+    if not root.is_dir():
+        raise UserError(f"data directory {root} does not exist (DATA must hold train/ and val/)")
+    try:
+        return ImageFolder(str(root), transform=transform, loader=load_rgb)
+    except FileNotFoundError as err:  # no class folders, or a class folder with no images
+        raise UserError(f"{root}: {err}") from None
+
+
+def _check_same_classes(train: ImageFolder, val: ImageFolder) -> None:
+    if train.classes != val.classes:
+        only_train = sorted(set(train.classes) - set(val.classes))
+        only_val = sorted(set(val.classes) - set(train.classes))
+        raise UserError(
+            f"class folders of {train.root} and {val.root} differ: only in train: "
+            f"{only_train or 'none'}; only in val: {only_val or 'none'}"
+        )
+
+
+class SeededSamples(Dataset):
+    """Applies each sample's own augmentation seed, delivered by the sampler with its index."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, seed = key
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.dataset[index]
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class GlobalBatchSampler(Sampler):
+    """This rank's share of each global batch, as (index, augmentation seed) keys.
+
+    The last partial global batch is dropped, so every step sees exactly `global_batch` samples
+    and the same samples at any world size.
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, rank: int, world_size: int, seed: int):
+        assert global_batch % world_size == 0
+        self.num_samples, self.global_batch = num_samples, global_batch
+        self.rank, self.per_rank = rank, global_batch // world_size
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @property
+    def steps(self) -> int:
+        return self.num_samples // self.global_batch
+
+    def __len__(self) -> int:
+        return self.steps * self.per_rank
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+        order = torch.randperm(self.num_samples, generator=generator)
+        sample_seeds = torch.randint(0, 2**62, (self.num_samples,), generator=generator)
+        for step in range(self.steps):
+            start = step * self.global_batch + self.rank * self.per_rank
+            for index in order[start : start + self.per_rank].tolist():
+                yield index, int(sample_seeds[index])
+
+
+def shard(num_samples: int, rank: int, world_size: int) -> range:
+    """Contiguous, disjoint slices covering 0..num_samples once: exact evaluation, no padding."""
+    return range(rank * num_samples // world_size, (rank + 1) * num_samples // world_size)
+
+
+@dataclass
+class Data:
+    train_loader: DataLoader | None
+    train_sampler: GlobalBatchSampler | None
+    val_loader: DataLoader
+    num_val: int
+    class_to_idx: dict[str, int]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_to_idx)
+
+
+def _datasets(config: Config, data_root: Path | None):
+    size = config.image_size
+    if config.dummy:
+        shape = (3, size, size)
+        train = datasets.FakeData(DUMMY_TRAIN, shape, DUMMY_CLASSES, train_transform(size))
+        val = datasets.FakeData(
+            DUMMY_VAL, shape, DUMMY_CLASSES, val_transform(size), random_offset=1
+        )
+        return train, val, {str(i): i for i in range(DUMMY_CLASSES)}
+    val = _image_folder(data_root / "val", val_transform(size))
+    if config.evaluate:
+        return None, val, val.class_to_idx
+    train = _image_folder(data_root / "train", train_transform(size))
+    _check_same_classes(train, val)
+    return train, val, train.class_to_idx
+
+
+def build(config: Config, env: DistEnv, data_root: Path | None, seed: int) -> Data:
+    """Loaders for this rank. `seed` orders and augments the data; equal on every rank."""
+    per_rank = config.batch_size // env.world_size
+    train, val, class_to_idx = _datasets(config, data_root)
+    common = dict(
+        num_workers=config.workers,
+        pin_memory=env.device.type == "cuda",
+        persistent_workers=config.workers > 0,
+    )
+    val_loader = DataLoader(
+        Subset(val, shard(len(val), env.rank, env.world_size)), per_rank, **common
+    )
+    if train is None:
+        return Data(None, None, val_loader, len(val), class_to_idx)
+    if len(train) < config.batch_size:
+        raise UserError(
+            f"--batch-size {config.batch_size} is larger than the {len(train)} training images"
+        )
+    sampler = GlobalBatchSampler(len(train), config.batch_size, env.rank, env.world_size, seed)
+    train_loader = DataLoader(SeededSamples(train), per_rank, sampler=sampler, **common)
+    return Data(train_loader, sampler, val_loader, len(val), class_to_idx)

@@ -1,0 +1,163 @@
+"""The only module that reads launcher environment variables or touches process groups.
+
+Every launcher ends in one `DistEnv`: torchrun and torch.distributed.launch (RANK, WORLD_SIZE,
+LOCAL_RANK), --multiprocessing-distributed (a `SpawnSlot` from launch.py), --dist-url tcp://
+with --world-size/--rank (one process per invocation), or a single process.
+"""
+
+import datetime
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ddptrain.config import Config
+from ddptrain.errors import UserError
+
+# Well below gloo's 30 minutes, so a lost rank ends the others instead of stalling a job.
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class SpawnSlot:
+    """Where one --multiprocessing-distributed process sits: node and local index."""
+
+    local_rank: int
+    nproc_per_node: int
+    node_rank: int
+    nodes: int
+    dist_url: str
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _placement(config: Config, slot: SpawnSlot | None) -> tuple[int, int, int, int, str]:
+    """(rank, world_size, local_rank, local_world_size, init url) for this process."""
+    env = os.environ
+    if slot is not None:
+        rank = slot.node_rank * slot.nproc_per_node + slot.local_rank
+        world = slot.nodes * slot.nproc_per_node
+        return rank, world, slot.local_rank, slot.nproc_per_node, slot.dist_url
+    if config.dist_url == "env://" and "WORLD_SIZE" in env:  # torchrun, torch.distributed.launch
+        local_rank = int(env.get("LOCAL_RANK", config.local_rank or 0))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", 1))
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), local_rank, local_world, "env://"
+    if config.world_size > 1:  # one process per invocation, e.g. --dist-url tcp://
+        if config.rank < 0:
+            raise UserError(f"--world-size {config.world_size} needs --rank of this process")
+        if config.dist_url == "env://" and not {"MASTER_ADDR", "MASTER_PORT"} <= env.keys():
+            raise UserError(
+                "--dist-url env:// needs MASTER_ADDR and MASTER_PORT (torchrun sets them); "
+                "launch with torchrun or give --dist-url tcp://HOST:PORT"
+            )
+        local_rank = config.local_rank if config.local_rank is not None else config.rank
+        return config.rank, config.world_size, local_rank, 1, config.dist_url
+    return 0, 1, 0, 1, config.dist_url
+
+
+def _device(config: Config, local_rank: int) -> torch.device:
+    kind = "cpu" if config.no_accel else config.device
+    if kind == "auto":
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        kind = accelerator.type if accelerator is not None else "cpu"
+    if kind == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, kind)
+    if not module.is_available():
+        raise UserError(f"--device {kind}: no {kind} device is available here")
+    count = module.device_count()
+    if config.gpu is not None:
+        index = config.gpu
+    elif local_rank < count:
+        index = local_rank
+    else:
+        raise UserError(
+            f"local rank {local_rank} has no {kind} device of its own (this node has {count}); "
+            "start at most one process per device"
+        )
+    if index >= count:
+        raise UserError(f"--gpu {index}: this node has {count} {kind} device(s)")
+    return torch.device(kind, index)
+
+
+def _share_cpu_threads(local_world_size: int) -> None:
+    """Ranks on one node share its cores, unless the user chose OMP_NUM_THREADS."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, (cores or 1) // local_world_size))
+
+
+def init(config: Config, slot: SpawnSlot | None = None) -> DistEnv:
+    rank, world, local_rank, local_world, url = _placement(config, slot)
+    device = _device(config, local_rank)
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+    _share_cpu_threads(local_world)
+    if world > 1:
+        backend = config.dist_backend or dist.get_default_backend_for_device(device.type)
+        dist.init_process_group(
+            backend, init_method=url, world_size=world, rank=rank, timeout=TIMEOUT
+        )
+    return DistEnv(rank, world, local_rank, local_world, device)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_sum(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Sum of tensor over ranks, in place; a no-op on one process."""
+    if env.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def broadcast_int(value: int, env: DistEnv) -> int:
+    """Rank 0's value on every rank."""
+    if not env.distributed:
+        return value
+    box = torch.tensor([value], dtype=torch.int64, device=_comm_device(env))
+    dist.broadcast(box, src=0)
+    return int(box.item())
+
+
+def _comm_device(env: DistEnv) -> torch.device:
+    return env.device if dist.get_backend() != "gloo" else torch.device("cpu")
+
+
+def rank0_first(env: DistEnv, fetch: Callable[[], object]) -> object:
+    """fetch() on rank 0, then on the others: for a download one process should do.
+
+    A UserError on rank 0 is raised on every rank, so no rank waits for a download that failed.
+    """
+    result, error = None, None
+    if env.is_main:
+        try:
+            result = fetch()
+        except UserError as err:
+            error = str(err)
+    if env.distributed:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise UserError(error)
+    return result if env.is_main else fetch()

@@ -1,0 +1,64 @@
+"""The one error type users see, and how every entry point reports it."""
+
+import sys
+from collections.abc import Callable
+
+
+class UserError(ValueError):
+    """A mistake the user can fix: one line naming the path or flag, never a traceback."""
+
+
+def one_line(err: BaseException) -> str:
+    """The user-facing message of err.
+
+    A DataLoader worker's exception reaches the main process rebuilt with the worker's whole
+    traceback as its message; the original message is its last line.
+    """
+    text = str(err).strip()
+    if "Original Traceback" in text:
+        last = text.splitlines()[-1]
+        text = last.split(": ", 1)[1] if last.startswith(("UserError", "ddptrain.")) else last
+    return text
+
+
+# How a lost peer shows up: torch's own DistError types, or RuntimeErrors from gloo's transport.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "gloo/transport")
+
+
+def _peer_lost(err: BaseException) -> str | None:
+    """What says a peer is gone, or None when err is something else."""
+    import torch.distributed as dist
+
+    if isinstance(err, dist.DistError):
+        return type(err).__name__
+    if isinstance(err, RuntimeError):
+        return next((s for s in _PEER_LOST if s in str(err)), None)
+    return None
+
+
+def report_errors(action: Callable[[], object]) -> int:
+    """Run action and turn the failures a user can act on into one line and an exit code.
+
+    User mistakes exit 2 (like argparse); a lost peer exits 1. Anything else is a bug and keeps
+    its traceback.
+    """
+    try:
+        action()
+    except UserError as err:
+        print(f"ddptrain: error: {one_line(err)}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as err:
+        reason = _peer_lost(err)
+        if reason is None:
+            raise
+        print(
+            "ddptrain: error: lost contact with another rank, which probably failed first: "
+            f"see its output ({reason})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    except KeyboardInterrupt:
+        print("ddptrain: interrupted", file=sys.stderr, flush=True)
+        return 130
+    return 0

@@ -1,0 +1,65 @@
+"""--multiprocessing-distributed: one process per device on this node, through mp.spawn.
+
+As in the classic example, --world-size and --rank mean nodes and this node's rank here.
+"""
+
+import os
+import socket
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+from ddptrain.config import Config
+from ddptrain.distributed import SpawnSlot
+from ddptrain.errors import UserError, report_errors
+
+
+def _default_nproc(config: Config) -> int:
+    if config.no_accel or config.device == "cpu":
+        return 1
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return torch.accelerator.device_count() if accelerator is not None else 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rendezvous(config: Config, nodes: int) -> str:
+    """Where the ranks meet. env:// without MASTER_ADDR on one node: a free local port."""
+    if config.dist_url != "env://" or "MASTER_ADDR" in os.environ:
+        return config.dist_url
+    if nodes > 1:
+        raise UserError(
+            "--multiprocessing-distributed on several nodes needs --dist-url tcp://HOST:PORT "
+            "of node 0 (or MASTER_ADDR and MASTER_PORT)"
+        )
+    return f"tcp://127.0.0.1:{_free_port()}"
+
+
+def _worker(local_rank: int, config: Config, nproc: int, nodes: int, url: str) -> None:
+    from ddptrain import run
+
+    slot = SpawnSlot(local_rank, nproc, max(config.rank, 0), nodes, url)
+    code = report_errors(lambda: run.train(config, slot))
+    if code:
+        sys.exit(code)
+
+
+def spawn(config: Config) -> int:
+    """Runs config on --nproc-per-node processes; returns the exit code of the first failure.
+
+    When one process fails, mp.spawn ends the others, so no rank is left waiting.
+    """
+    nproc = config.nproc_per_node or _default_nproc(config)
+    nodes = config.world_size if config.world_size > 0 else 1
+    config.check_batch_divides(nproc * nodes)
+    url = _rendezvous(config, nodes)
+    try:
+        mp.spawn(_worker, args=(config, nproc, nodes, url), nprocs=nproc)
+    except mp.ProcessExitedException as err:
+        return err.exit_code if err.exit_code > 0 else 1
+    return 0

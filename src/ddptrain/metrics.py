@@ -1,0 +1,63 @@
+"""Accuracy counts, exact sums over ranks, and the metrics.jsonl writer."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from ddptrain.distributed import DistEnv, all_sum
+
+
+def topk_correct(output: torch.Tensor, target: torch.Tensor, ks=(1, 5)) -> torch.Tensor:
+    """How many rows have the target among their top-k logits, for each k (capped at the class
+    count, so acc5 on 3 classes is top-3)."""
+    top = output.topk(min(max(ks), output.shape[1]), dim=1).indices
+    hits = top == target[:, None]
+    return torch.stack([hits[:, : min(k, output.shape[1])].any(dim=1).sum() for k in ks])
+
+
+class Sums:
+    """Loss, top-1 and top-5 hits and sample count, summed on the device without host syncs."""
+
+    def __init__(self, device: torch.device):
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        self.values = torch.zeros(4, dtype=dtype, device=device)
+
+    def add(self, mean_loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> None:
+        n = target.shape[0]
+        self.values[0] += mean_loss.detach() * n
+        self.values[1:3] += topk_correct(output.detach(), target)
+        self.values[3] += n
+
+    def summary(self, env: DistEnv | None = None) -> dict[str, float]:
+        """Means over the samples of this rank, or of all ranks when env is given (a collective:
+        every rank must call it)."""
+        values = self.values.clone()
+        if env is not None:
+            values = all_sum(values.cpu() if _gloo(env) else values, env)
+        loss, top1, top5, n = values.tolist()
+        n_safe = max(n, 1)
+        return {
+            "loss": loss / n_safe,
+            "acc1": 100 * top1 / n_safe,
+            "acc5": 100 * top5 / n_safe,
+            "samples": int(n),
+        }
+
+
+def _gloo(env: DistEnv) -> bool:
+    return (
+        env.device.type == "cpu" or not env.distributed or torch.distributed.get_backend() == "gloo"
+    )
+
+
+class MetricsLog:
+    """Appends one JSON object per line to metrics.jsonl; only the main rank writes."""
+
+    def __init__(self, out_dir: Path, enabled: bool):
+        self.path, self.enabled = out_dir / "metrics.jsonl", enabled
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")

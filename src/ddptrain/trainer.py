@@ -1,0 +1,141 @@
+"""The training loop: one step, one epoch, exact evaluation, and the epoch loop around them."""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from ddptrain import checkpoint
+from ddptrain.checkpoint import TrainState
+from ddptrain.config import Config
+from ddptrain.data import Data, epoch_seed
+from ddptrain.distributed import DistEnv
+from ddptrain.metrics import MetricsLog, Sums
+from ddptrain.parallelize import unwrap
+
+
+def train_step(model, criterion, optimizer, images, target) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step. Returns the (device) loss and logits: no host synchronisation."""
+    output = model(images)
+    loss = criterion(output, target)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss, output
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, env: DistEnv, criterion) -> dict[str, float]:
+    """Loss, acc1 and acc5 over the whole val set: each rank its own disjoint shard, sums
+    all-reduced, so every image counts once at any world size.
+
+    Runs the unwrapped model: DDP's forward would sync buffers, which ranks with fewer batches
+    would never match.
+    """
+    model = unwrap(model)
+    model.eval()
+    sums = Sums(env.device)
+    for images, target in loader:
+        images = images.to(env.device, non_blocking=True)
+        target = target.to(env.device, non_blocking=True)
+        output = model(images)
+        sums.add(criterion(output, target), output, target)
+    return sums.summary(env)
+
+
+@dataclass
+class Run:
+    """Everything an epoch needs, built by run.py."""
+
+    config: Config
+    env: DistEnv
+    data: Data
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    meta: dict  # arch, num_classes, class_to_idx, config: saved with every checkpoint
+    log: MetricsLog
+    seed: int
+
+
+def _log(env: DistEnv, line: str) -> None:
+    if env.is_main:
+        print(line, flush=True)
+
+
+def _reseed(seed: int, epoch: int, rank: int) -> None:
+    """Model-side randomness (dropout) from seed, epoch and rank alone, so a run resumed at an
+    epoch boundary continues exactly as an uninterrupted one."""
+    s = epoch_seed(seed + rank, epoch)
+    torch.manual_seed(s)
+    np.random.seed(s % 2**32)
+
+
+def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
+    config, env = run.config, run.env
+    model, criterion = run.model, nn.CrossEntropyLoss()
+    model.train()
+    run.data.train_sampler.set_epoch(epoch)
+    steps = run.data.train_sampler.steps
+    sums = Sums(env.device)
+    start = time.perf_counter()
+    waiting = 0.0
+    batches = iter(run.data.train_loader)
+    for step in range(1, steps + 1):
+        ready = time.perf_counter()
+        images, target = next(batches)
+        waiting += time.perf_counter() - ready
+        images = images.to(env.device, non_blocking=True)
+        target = target.to(env.device, non_blocking=True)
+        loss, output = train_step(model, criterion, run.optimizer, images, target)
+        sums.add(loss, output, target)
+        state.global_step += 1
+        if step % config.print_freq == 0 or step == steps:
+            now = time.perf_counter()
+            local = sums.summary()  # this rank's running means: a host sync, at print steps only
+            rate = local["samples"] * env.world_size / (now - start)
+            _log(
+                env,
+                f"epoch {epoch + 1}/{config.epochs} [{step:>{len(str(steps))}}/{steps}] "
+                f"loss {local['loss']:.4f} acc1 {local['acc1']:6.2f} acc5 {local['acc5']:6.2f} "
+                f"| {rate:7.1f} samples/s | data {100 * waiting / (now - start):4.1f}%",
+            )
+    elapsed = time.perf_counter() - start
+    result = sums.summary(env)
+    return {
+        **result,
+        "samples_per_sec": result["samples"] / elapsed,
+        "data_wait": waiting / elapsed,
+    }
+
+
+def fit(run: Run, state: TrainState) -> TrainState:
+    config, env = run.config, run.env
+    criterion = nn.CrossEntropyLoss()
+    out_dir = run.log.path.parent
+    for epoch in range(state.epoch, config.epochs):
+        lr = run.optimizer.param_groups[0]["lr"]
+        _reseed(run.seed, epoch, env.rank)
+        train = train_epoch(run, epoch, state)
+        run.scheduler.step()
+        val = evaluate(run.model, run.data.val_loader, env, criterion)
+        state.epoch = epoch + 1
+        is_best = val["acc1"] > state.best_acc1
+        state.best_acc1 = max(state.best_acc1, val["acc1"])
+        if env.is_main:
+            ckpt = checkpoint.payload(
+                unwrap(run.model), run.optimizer, run.scheduler, state, run.meta
+            )
+            checkpoint.save(out_dir, ckpt, is_best)
+        run.log.write({"split": "train", "epoch": state.epoch, "lr": lr, **train})
+        run.log.write({"split": "val", "epoch": state.epoch, **val})
+        _log(
+            env,
+            f"epoch {state.epoch}/{config.epochs} done: train loss {train['loss']:.4f} "
+            f"acc1 {train['acc1']:.2f} ({train['samples_per_sec']:.1f} samples/s) | val loss "
+            f"{val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} "
+            f"({val['samples']} images) | best acc1 {state.best_acc1:.2f}",
+        )
+    return state

@@ -1,0 +1,24 @@
+import os
+
+import pytest
+
+# Tests share two cores: one thread per process keeps multi-rank tests from oversubscribing.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from ddptrain.synth import SynthSpec, write  # noqa: E402
+
+TINY = SynthSpec(classes=3, train_per_class=8, val_per_class=5, size=24, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """The built-in dataset and torch hub never touch the user's real cache."""
+    cache = tmp_path_factory.getbasetemp() / "xdg-cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    monkeypatch.setenv("TORCH_HOME", str(cache / "torch"))
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """3 classes, 24 train and 15 val images of 24 px: an uneven val set for 2 and 4 ranks."""
+    return write(TINY, tmp_path_factory.mktemp("data") / "tiny")

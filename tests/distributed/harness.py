@@ -1,0 +1,63 @@
+"""Runs a function on N real processes joined in a gloo process group, with a deadline."""
+
+import multiprocessing
+import queue
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from ddptrain.distributed import DistEnv
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, results, args):
+    torch.set_num_threads(1)
+    try:
+        if world > 1:
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+            )
+        env = DistEnv(rank, world, rank, world, torch.device("cpu"))
+        value = fn(env, *args)
+        # A tensor would travel as shared memory that dies with this process: send its bytes.
+        results.put((rank, value.numpy() if isinstance(value, torch.Tensor) else value, None))
+    except BaseException:
+        results.put((rank, None, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 120) -> list:
+    """fn(env, *args) on each of `world` ranks; returns the results by rank. fn must be a module
+    level function (processes are spawned). A hang fails after `timeout` seconds."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, results, args)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    collected = {}
+    try:
+        for _ in range(world):
+            rank, value, error = results.get(timeout=timeout)
+            if error:
+                raise AssertionError(f"rank {rank} failed:\n{error}")
+            collected[rank] = torch.from_numpy(value) if hasattr(value, "dtype") else value
+    except queue.Empty:
+        raise AssertionError(f"ranks did not finish within {timeout} s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [collected[r] for r in range(world)]

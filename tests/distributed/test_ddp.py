@@ -1,0 +1,74 @@
+import pytest
+import torch
+from harness import run_ranks
+from torch import nn
+
+from ddptrain import data, models, parallelize, trainer
+from ddptrain.config import Config
+
+
+def flat_params(model):
+    return torch.cat([p.detach().flatten() for p in parallelize.unwrap(model).parameters()])
+
+
+def one_step_with_rank_specific_data(env):
+    torch.manual_seed(100 + env.rank)  # different initial weights: DDP must broadcast rank 0's
+    model = parallelize.wrap(models.build("resnet18", 3, False, env), env, gpu_pinned=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    images, target = torch.randn(4, 3, 16, 16), torch.randint(0, 3, (4,))
+    trainer.train_step(model, nn.CrossEntropyLoss(), optimizer, images, target)
+    return flat_params(model)
+
+
+def test_parameters_are_identical_on_both_ranks_after_a_step():
+    a, b = run_ranks(one_step_with_rank_specific_data, 2)
+    assert torch.equal(a, b)
+
+
+def bn_free_model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3)
+    )
+
+
+def train_one_epoch(env, root):
+    config = Config(data=str(root), batch_size=8, workers=0, image_size=16)
+    loaders = data.build(config, env, root, seed=11)
+    model = parallelize.wrap(bn_free_model(), env, gpu_pinned=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    loaders.train_sampler.set_epoch(0)
+    for images, target in loaders.train_loader:
+        trainer.train_step(model, nn.CrossEntropyLoss(), optimizer, images, target)
+    return flat_params(model)
+
+
+def test_two_ranks_equal_one_process_with_the_same_global_batch(tiny_data):
+    (single,) = run_ranks(train_one_epoch, 1, tiny_data)
+    first, second = run_ranks(train_one_epoch, 2, tiny_data)
+    assert torch.equal(first, second)
+    assert not torch.equal(single, bn_free_model_params())  # it trained
+    torch.testing.assert_close(first, single, rtol=0, atol=1e-5)
+
+
+def bn_free_model_params():
+    return torch.cat([p.detach().flatten() for p in bn_free_model().parameters()])
+
+
+def evaluate(env, root):
+    config = Config(data=str(root), batch_size=6, workers=0, image_size=16)
+    loaders = data.build(config, env, root, seed=0)
+    torch.manual_seed(0)
+    model = models.build("resnet18", 3, False, env)
+    return trainer.evaluate(model, loaders.val_loader, env, nn.CrossEntropyLoss())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exact_evaluation_on_an_uneven_val_set(tiny_data, world):
+    (single,) = run_ranks(evaluate, 1, tiny_data)
+    results = run_ranks(evaluate, world, tiny_data)
+    assert single["samples"] == 15
+    for result in results:  # every rank gets the global figures
+        assert result["samples"] == 15
+        assert result["acc1"] == single["acc1"] and result["acc5"] == single["acc5"]
+        assert result["loss"] == pytest.approx(single["loss"], rel=1e-6)

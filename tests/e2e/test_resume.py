@@ -1,0 +1,62 @@
+import json
+
+import torch
+from cli import assert_same_weights, ddptrain, ok, tiny_args, torchrun
+
+
+def state(out_dir):
+    return torch.load(out_dir / "checkpoint.pt", weights_only=True)
+
+
+def flat_optimizer(ckpt):
+    return {f"{k}.{n}": v for k, s in ckpt["optimizer"]["state"].items() for n, v in s.items()}
+
+
+def val_records(out_dir):
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == "val"]
+
+
+def test_two_epochs_equal_one_then_resume_bitwise(tiny_data, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    ok(ddptrain("train", *tiny_args(tiny_data, straight), "--epochs", "2"))
+    ok(ddptrain("train", *tiny_args(tiny_data, resumed), "--epochs", "1"))
+    result = ok(
+        ddptrain("train", *tiny_args(tiny_data, resumed), "--epochs", "2", "--resume", "auto")
+    )
+    assert "resumed from" in result.stdout
+
+    a, b = state(straight), state(resumed)
+    assert a["epoch"] == b["epoch"] == 2
+    assert_same_weights(a["model"], b["model"])
+    assert_same_weights(flat_optimizer(a), flat_optimizer(b))
+    assert a["scheduler"] == b["scheduler"] and a["best_acc1"] == b["best_acc1"]
+    assert val_records(straight) == val_records(resumed)
+
+
+def test_resume_auto_without_a_checkpoint_starts_fresh(tiny_data, tmp_path):
+    result = ok(ddptrain("train", *tiny_args(tiny_data, tmp_path), "--resume", "auto"))
+    assert "starting fresh" in result.stdout and state(tmp_path)["epoch"] == 1
+
+
+def test_a_two_rank_checkpoint_resumes_on_one_rank(tiny_data, tmp_path):
+    ok(torchrun(2, "train", *tiny_args(tiny_data, tmp_path / "two")))
+    checkpoint = tmp_path / "two" / "checkpoint.pt"
+    ok(
+        ddptrain(
+            "train",
+            *tiny_args(tiny_data, tmp_path / "one"),
+            "--epochs",
+            "2",
+            "--resume",
+            checkpoint,
+        )
+    )
+    assert state(tmp_path / "one")["epoch"] == 2
+    assert len(val_records(tmp_path / "one")) == 1  # only epoch 2 ran here
+
+
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_data, tmp_path):
+    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path)))
+    ok(torchrun(2, "train", *tiny_args(tiny_data, tmp_path), "--epochs", "2", "--resume", "auto"))
+    assert state(tmp_path)["epoch"] == 2

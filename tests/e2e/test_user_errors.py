@@ -1,0 +1,138 @@
+"""User mistakes end every rank with one `ddptrain: error:` line, a non-zero exit, no hang."""
+
+import shutil
+import time
+
+import pytest
+from cli import ddptrain, ok, tiny_args, torchrun
+
+DEADLINE = 60
+
+
+@pytest.fixture
+def data(tiny_data, tmp_path):
+    copy = tmp_path / "data"
+    shutil.copytree(tiny_data, copy)
+    return copy
+
+
+def assert_user_error(result, *needles, traceback_allowed=False):
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("ddptrain: error: ")]
+    assert lines, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    if not traceback_allowed:
+        assert "Traceback" not in result.stderr, result.stderr
+
+
+def timed(run):
+    start = time.monotonic()
+    result = run()
+    assert time.monotonic() - start < DEADLINE
+    return result
+
+
+def test_missing_data_directory(tmp_path):
+    result = timed(lambda: ddptrain("train", *tiny_args(tmp_path / "nowhere", tmp_path / "out")))
+    assert_user_error(result, "nowhere")
+
+
+def test_missing_val_directory(data, tmp_path):
+    shutil.rmtree(data / "val")
+    assert_user_error(timed(lambda: ddptrain("train", *tiny_args(data, tmp_path / "out"))), "val")
+
+
+def test_empty_class_folder(data, tmp_path):
+    for f in (data / "train" / "bar").iterdir():
+        f.unlink()
+    assert_user_error(timed(lambda: ddptrain("train", *tiny_args(data, tmp_path / "out"))), "bar")
+
+
+def test_mismatched_class_sets(data, tmp_path):
+    (data / "val" / "circle").rename(data / "val" / "disc")
+    result = timed(lambda: ddptrain("train", *tiny_args(data, tmp_path / "out")))
+    assert_user_error(result, "circle", "disc")
+
+
+def test_unreadable_image_in_a_loader_worker(data, tmp_path):
+    bad = data / "train" / "bar" / "00003.png"
+    bad.write_bytes(b"not an image")
+    result = timed(lambda: ddptrain("train", *tiny_args(data, tmp_path / "out"), "-j", "2"))
+    assert_user_error(result, str(bad))
+
+
+def test_unknown_arch(tiny_data, tmp_path):
+    result = timed(lambda: ddptrain("train", *tiny_args(tiny_data, tmp_path), "-a", "get_model"))
+    assert_user_error(result, "--arch", "get_model")
+
+
+def test_bad_flag_value(tiny_data, tmp_path):
+    assert_user_error(timed(lambda: ddptrain("train", tiny_data, "-b", "many")), "-b")
+
+
+def test_resume_with_another_arch_leaves_the_run_untouched(tiny_data, tmp_path):
+    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path)))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    result = timed(
+        lambda: ddptrain(
+            "train",
+            *tiny_args(tiny_data, tmp_path),
+            "-a",
+            "resnet34",
+            "--resume",
+            tmp_path / "checkpoint.pt",
+            "--epochs",
+            "2",
+        )
+    )
+    assert_user_error(result, "checkpoint.pt", "resnet18", "resnet34")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_resume_with_other_classes(data, tiny_data, tmp_path):
+    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path)))
+    for split in ("train", "val"):
+        (data / split / "bar").rename(data / split / "box")
+    result = timed(
+        lambda: ddptrain("train", *tiny_args(data, tmp_path), "--resume", "auto", "--epochs", "2")
+    )
+    assert_user_error(result, "checkpoint.pt", "classes")
+
+
+def test_batch_that_does_not_divide_under_torchrun(tiny_data, tmp_path):
+    result = timed(lambda: torchrun(2, "train", *tiny_args(tiny_data, tmp_path), "-b", "7"))
+    # torchrun adds its own report of the failed workers after ours.
+    assert_user_error(result, "--batch-size 7", traceback_allowed=True)
+
+
+def test_batch_that_does_not_divide_with_multiprocessing(tiny_data, tmp_path):
+    result = timed(
+        lambda: ddptrain(
+            "train",
+            *tiny_args(tiny_data, tmp_path),
+            "-b",
+            "7",
+            "--multiprocessing-distributed",
+            "--nproc-per-node",
+            "2",
+        )
+    )
+    assert_user_error(result, "--batch-size 7")
+
+
+def test_one_failing_rank_ends_the_other(data, tmp_path):
+    # The last val images belong to rank 1's shard only: rank 0 waits for it in the all-reduce.
+    bad = data / "val" / "circle" / "00004.png"
+    bad.write_bytes(b"\x89PNG broken")
+    result = timed(
+        lambda: ddptrain(
+            "train",
+            *tiny_args(data, tmp_path),
+            "--multiprocessing-distributed",
+            "--nproc-per-node",
+            "2",
+        )
+    )
+    assert_user_error(result, str(bad))
+    assert not (tmp_path / "checkpoint.pt").exists()

@@ -1,0 +1,116 @@
+import os
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from ddptrain import checkpoint, optim
+from ddptrain.checkpoint import TrainState
+from ddptrain.config import Config
+from ddptrain.errors import UserError
+from ddptrain.parallelize import unwrap
+
+CLASSES = {"a": 0, "b": 1, "c": 2}
+
+
+def trained_model():
+    torch.manual_seed(0)
+    model = torchvision.models.get_model("resnet18", num_classes=3)
+    optimizer, scheduler = optim.build(model, Config(lr=0.1))
+    loss = model(torch.randn(4, 3, 32, 32)).logsumexp(1).mean()
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    return model, optimizer, scheduler
+
+
+def meta():
+    return {"arch": "resnet18", "num_classes": 3, "class_to_idx": CLASSES, "config": {}}
+
+
+def test_round_trip_restores_weights_optimizer_schedule_and_state(tmp_path):
+    model, optimizer, scheduler = trained_model()
+    state = TrainState(epoch=3, global_step=30, best_acc1=42.5)
+    checkpoint.save(tmp_path, checkpoint.payload(model, optimizer, scheduler, state, meta()), True)
+
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert saved["format_version"] == checkpoint.FORMAT_VERSION
+    assert (tmp_path / "model_best.pt").read_bytes() == (tmp_path / "checkpoint.pt").read_bytes()
+    fresh = torchvision.models.get_model("resnet18", num_classes=3)
+    fresh_opt, fresh_sched = optim.build(fresh, Config(lr=0.1))
+    restored = checkpoint.restore(
+        checkpoint.load(tmp_path / "checkpoint.pt"), fresh, fresh_opt, fresh_sched
+    )
+
+    assert restored == state
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    momentum = [optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
+    fresh_momentum = [fresh_opt.state[p]["momentum_buffer"] for p in fresh.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(momentum, fresh_momentum, strict=True))
+    assert fresh_sched.state_dict() == scheduler.state_dict()
+
+
+def test_saved_keys_have_no_wrapper_prefix_and_load_strictly(tmp_path):
+    model, optimizer, scheduler = trained_model()
+    wrapped = nn.DataParallel(model)  # a wrapper that adds `module.` on CPU too
+    payload = checkpoint.payload(unwrap(wrapped), optimizer, scheduler, TrainState(), meta())
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in payload["model"])
+    assert all(v.device.type == "cpu" for v in payload["model"].values())
+    torchvision.models.get_model("resnet18", num_classes=3).load_state_dict(payload["model"])
+
+
+def test_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, optimizer, scheduler = trained_model()
+    checkpoint.save(
+        tmp_path,
+        checkpoint.payload(model, optimizer, scheduler, TrainState(epoch=1), meta()),
+        False,
+    )
+    before = (tmp_path / "checkpoint.pt").read_bytes()
+
+    def crash(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(
+            tmp_path,
+            checkpoint.payload(model, optimizer, scheduler, TrainState(epoch=2), meta()),
+            False,
+        )
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before
+    assert checkpoint.load(tmp_path / "checkpoint.pt")["epoch"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # no temp file left
+
+
+def test_garbage_and_unsafe_files_are_refused(tmp_path):
+    torn = tmp_path / "torn.pt"
+    torn.write_bytes(b"PK\x03\x04 not really")
+    with pytest.raises(UserError, match="torn.pt"):
+        checkpoint.load(torn)
+    unsafe = tmp_path / "unsafe.pt"
+    torch.save({"model": {}, "payload": Config()}, unsafe)  # an arbitrary object needs unpickling
+    with pytest.raises(UserError, match="unsafe.pt"):
+        checkpoint.load(unsafe)
+
+
+def test_resolve(tmp_path):
+    assert checkpoint.resolve(None, tmp_path) is None
+    assert checkpoint.resolve("auto", tmp_path) is None
+    (tmp_path / "checkpoint.pt").write_bytes(b"x")
+    assert checkpoint.resolve("auto", tmp_path) == tmp_path / "checkpoint.pt"
+    with pytest.raises(UserError, match="nothere.pt"):
+        checkpoint.resolve(str(tmp_path / "nothere.pt"), tmp_path)
+
+
+def test_incompatible_checkpoints_are_named(tmp_path):
+    saved = {"arch": "resnet18", "class_to_idx": CLASSES}
+    checkpoint.check_compatible(saved, tmp_path, "resnet18", CLASSES)
+    with pytest.raises(UserError, match="resnet18 model, not --arch resnet34"):
+        checkpoint.check_compatible(saved, tmp_path, "resnet34", CLASSES)
+    with pytest.raises(
+        UserError, match=r"only in the checkpoint: \['c'\]; only in the data: \['d'\]"
+    ):
+        checkpoint.check_compatible(saved, tmp_path, "resnet18", {"a": 0, "b": 1, "d": 2})

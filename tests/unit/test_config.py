@@ -1,0 +1,127 @@
+import pytest
+
+from ddptrain.cli import parse
+from ddptrain.config import Config
+from ddptrain.errors import UserError
+
+
+def test_defaults_follow_the_classic_example():
+    c = Config(data="/data")
+    assert (c.arch, c.workers, c.epochs, c.batch_size, c.lr, c.momentum, c.weight_decay) == (
+        "resnet18",
+        4,
+        90,
+        256,
+        0.1,
+        0.9,
+        1e-4,
+    )
+    assert c.dist_url == "env://" and c.dist_backend is None and c.image_size == 224
+
+
+def test_builtin_dataset_gets_its_own_image_size():
+    assert Config().image_size == 32
+    assert Config(image_size=64).image_size == 64
+    assert Config(dummy=True).image_size == 224
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "flag"),
+    [
+        ("batch_size", 0, "--batch-size"),
+        ("workers", -1, "--workers"),
+        ("epochs", -1, "--epochs"),
+        ("lr", -0.1, "--lr"),
+        ("weight_decay", -1.0, "--weight-decay"),
+        ("print_freq", 0, "--print-freq"),
+        ("image_size", 8, "--image-size"),
+        ("arch", "get_model", "--arch"),
+        ("arch", "resnet9000", "--arch"),
+        ("device", "tpu", "--device"),
+        ("dist_backend", "carrier-pigeon", "--dist-backend"),
+        ("dist_url", "http://x", "--dist-url"),
+        ("world_size", 0, "--world-size"),
+    ],
+)
+def test_bad_values_name_their_flag(field, value, flag):
+    with pytest.raises(UserError, match=flag):
+        Config(**{field: value})
+
+
+def test_contradictions_are_refused():
+    with pytest.raises(UserError, match="--rank"):
+        Config(world_size=2, rank=2)
+    with pytest.raises(UserError, match="--no-accel"):
+        Config(no_accel=True, device="cuda")
+    with pytest.raises(UserError, match="--gpu"):
+        Config(gpu=0, device="cpu")
+    with pytest.raises(UserError, match="--evaluate"):
+        Config(evaluate=True)
+    with pytest.raises(UserError, match="--nproc-per-node"):
+        Config(nproc_per_node=2)
+
+
+def test_batch_must_divide_the_world():
+    Config(batch_size=8).check_batch_divides(4)
+    with pytest.raises(UserError, match="--batch-size 6 .* 4 ranks"):
+        Config(batch_size=6).check_batch_divides(4)
+
+
+def test_cli_maps_the_classic_flags():
+    command, c = parse(
+        [
+            "train",
+            "/d",
+            "-a",
+            "resnet34",
+            "-j",
+            "2",
+            "-b",
+            "64",
+            "--learning-rate",
+            "0.5",
+            "--wd",
+            "0.01",
+            "-p",
+            "3",
+            "--resume",
+            "auto",
+            "--seed",
+            "7",
+            "--dist-url",
+            "tcp://127.0.0.1:1234",
+            "--world-size",
+            "2",
+            "--rank",
+            "1",
+            "--out-dir",
+            "o",
+        ]
+    )
+    assert command == "train"
+    assert (c.data, c.arch, c.workers, c.batch_size, c.lr, c.weight_decay) == (
+        "/d",
+        "resnet34",
+        2,
+        64,
+        0.5,
+        0.01,
+    )
+    assert (c.print_freq, c.resume, c.seed, c.world_size, c.rank) == (3, "auto", 7, 2, 1)
+
+
+def test_cli_accepts_local_rank_where_torch_distributed_launch_puts_it():
+    _, c = parse(["--local-rank=1", "train", "/d"])
+    assert c.local_rank == 1
+    _, c = parse(["train", "/d", "--local_rank", "0"])
+    assert c.local_rank == 0
+
+
+def test_eval_is_train_evaluate():
+    _, c = parse(["eval", "/d", "--resume", "ckpt.pt"])
+    assert c.evaluate and c.resume == "ckpt.pt"
+
+
+def test_synth_command():
+    command, (spec, out) = parse(["synth", "out", "--classes", "4", "--size", "20"])
+    assert command == "synth" and out == "out" and (spec.classes, spec.size) == (4, 20)

@@ -1,0 +1,97 @@
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+
+from ddptrain import data
+from ddptrain.config import Config
+from ddptrain.distributed import DistEnv
+from ddptrain.errors import UserError
+
+ONE = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+
+
+def build(root, **overrides):
+    config = Config(data=str(root), batch_size=4, workers=0, image_size=16, **overrides)
+    return data.build(config, ONE, root, seed=0)
+
+
+@pytest.fixture
+def tree(tiny_data, tmp_path):
+    copy = tmp_path / "data"
+    shutil.copytree(tiny_data, copy)
+    return copy
+
+
+def test_builds_loaders_with_classes_from_the_data(tiny_data):
+    d = build(tiny_data)
+    assert d.class_to_idx == {"arrow": 0, "bar": 1, "circle": 2} and d.num_val == 15
+    images, target = next(iter(d.train_loader))
+    assert images.shape == (4, 3, 16, 16) and images.dtype == torch.float32
+    assert target.dtype == torch.int64
+    assert sum(len(t) for _, t in d.val_loader) == 15
+
+
+def test_val_preset_resizes_then_centre_crops():
+    image = Image.new("RGB", (40, 30))
+    assert data.val_transform(32)(image).shape == (3, 32, 32)
+    resize = data.val_transform(32).transforms[0]
+    assert resize.size == [37]  # round(32 / 0.875)
+
+
+def test_missing_directories(tree):
+    with pytest.raises(UserError, match="does not exist"):
+        build(tree / "nope")
+    shutil.rmtree(tree / "val")
+    with pytest.raises(UserError, match="val"):
+        build(tree)
+
+
+def test_empty_class_folder_is_named(tree):
+    for f in (tree / "train" / "bar").iterdir():
+        f.unlink()
+    with pytest.raises(UserError, match="bar"):
+        build(tree)
+
+
+def test_no_class_folders(tree):
+    shutil.rmtree(tree / "train")
+    (tree / "train").mkdir()
+    with pytest.raises(UserError, match="no class folders"):
+        build(tree)
+
+
+def test_mismatched_classes_are_named(tree):
+    (tree / "val" / "bar").rename(tree / "val" / "ball")
+    with pytest.raises(UserError, match=r"only in train: \['bar'\]; only in val: \['ball'\]"):
+        build(tree)
+
+
+def test_hidden_folders_are_ignored(tree):
+    hidden = tree / "train" / ".ipynb_checkpoints"
+    hidden.mkdir()
+    shutil.copy(next((tree / "train" / "bar").iterdir()), hidden / "x.png")
+    assert build(tree).num_classes == 3
+
+
+def test_unreadable_image_is_named(tree):
+    bad = tree / "val" / "arrow" / "00000.png"
+    bad.write_bytes(bad.read_bytes()[:40])  # truncated
+    with pytest.raises(UserError, match="00000.png"):
+        for _ in build(tree).val_loader:
+            pass
+
+
+def test_same_sample_same_augmentation_whatever_the_worker_count(tiny_data):
+    def first_batch(workers):
+        config = Config(data=str(tiny_data), batch_size=8, workers=workers, image_size=16)
+        return next(iter(data.build(config, ONE, tiny_data, seed=3).train_loader))
+
+    a, b = first_batch(0), first_batch(2)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_batch_larger_than_the_data(tiny_data):
+    with pytest.raises(UserError, match="--batch-size 64"):
+        data.build(Config(data=str(tiny_data), batch_size=64, workers=0), ONE, tiny_data, 0)

@@ -1,0 +1,34 @@
+import pytest
+
+from ddptrain.errors import UserError, one_line, report_errors
+
+
+def test_user_errors_become_one_line_and_exit_2(capsys):
+    def fail():
+        raise UserError("--arch: unknown architecture 'x'")
+
+    assert report_errors(fail) == 2
+    assert capsys.readouterr().err == "ddptrain: error: --arch: unknown architecture 'x'\n"
+
+
+def test_loader_worker_errors_lose_the_worker_traceback():
+    # What DataLoader re-raises in the main process for a UserError raised in a worker.
+    rebuilt = UserError(
+        "Caught UserError in DataLoader worker process 1.\n"
+        "Original Traceback (most recent call last):\n"
+        '  File "worker.py", line 3, in fetch\n'
+        "ddptrain.errors.UserError: cannot read image /d/a.png: truncated\n"
+    )
+    assert one_line(rebuilt) == "cannot read image /d/a.png: truncated"
+
+
+def test_bugs_keep_their_traceback():
+    def bug():
+        raise KeyError("internal")
+
+    with pytest.raises(KeyError):
+        report_errors(bug)
+
+
+def test_success_is_exit_0():
+    assert report_errors(lambda: None) == 0

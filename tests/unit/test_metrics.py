@@ -1,0 +1,38 @@
+import json
+
+import torch
+
+from ddptrain.metrics import MetricsLog, Sums, topk_correct
+
+
+def test_topk_counts():
+    output = torch.tensor([[0.9, 0.1, 0.0], [0.1, 0.2, 0.7], [0.3, 0.5, 0.2]])
+    target = torch.tensor([0, 0, 2])
+    top1, top5 = topk_correct(output, target).tolist()
+    assert top1 == 1  # only row 0
+    assert top5 == 3  # top-5 on 3 classes is top-3: always a hit
+
+
+def test_topk_with_many_classes():
+    output = torch.arange(10.0).repeat(2, 1)  # class 9 best, class 0 worst
+    top1, top5 = topk_correct(output, torch.tensor([9, 4])).tolist()
+    assert (top1, top5) == (1, 1)
+
+
+def test_sums_give_sample_weighted_means():
+    sums = Sums(torch.device("cpu"))
+    out = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+    sums.add(torch.tensor(2.0), out[:2], torch.tensor([0, 0]))  # 2 samples, mean loss 2
+    sums.add(torch.tensor(5.0), out[2:], torch.tensor([0]))  # 1 sample, mean loss 5
+    s = sums.summary()
+    assert s["samples"] == 3 and s["loss"] == 3.0 and round(s["acc1"], 4) == 66.6667
+
+
+def test_metrics_log_appends_only_on_the_main_rank(tmp_path):
+    MetricsLog(tmp_path, enabled=False).write({"split": "val"})
+    assert not (tmp_path / "metrics.jsonl").exists()
+    log = MetricsLog(tmp_path, enabled=True)
+    log.write({"split": "train", "epoch": 1})
+    log.write({"split": "val", "epoch": 1})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["split"] for line in lines] == ["train", "val"]

@@ -1,0 +1,61 @@
+import multiprocessing
+import os
+
+import pytest
+
+from ddptrain import synth
+from ddptrain.errors import UserError
+from ddptrain.synth import SynthSpec
+
+SMALL = SynthSpec(classes=10, train_per_class=2, val_per_class=1, size=20, seed=5)
+
+
+def files(root):
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*.png"))}
+
+
+def test_imagefolder_layout_and_determinism(tmp_path):
+    a = synth.write(SMALL, tmp_path / "a")
+    b = synth.write(SMALL, tmp_path / "b")
+    assert files(a) == files(b)
+    assert len(list((a / "train").iterdir())) == 10 and len(list((a / "val").iterdir())) == 10
+    assert len(files(a)) == 10 * 3
+    other = synth.write(
+        SynthSpec(classes=10, train_per_class=2, val_per_class=1, size=20, seed=6), tmp_path / "c"
+    )
+    assert files(other) != files(a)
+
+
+def test_refuses_to_overwrite(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(UserError, match="already exists"):
+        synth.write(SMALL, tmp_path / "out")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_bad_spec():
+    with pytest.raises(UserError, match="--classes"):
+        SynthSpec(classes=1)
+
+
+def _ensure(cache, queue):
+    os.environ["XDG_CACHE_HOME"] = cache
+    queue.put(str(synth.ensure_builtin(SMALL, log=False)))
+
+
+def test_concurrent_first_use_generates_once(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_ensure, args=(str(tmp_path), queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    roots = {queue.get(timeout=5) for _ in procs}
+    assert len(roots) == 1
+    root = roots.pop()
+    assert len(files(__import__("pathlib").Path(root))) == 30
+    leftovers = [p.name for p in (tmp_path / "ddptrain").iterdir() if ".tmp-" in p.name]
+    assert leftovers == []
