@@ -12,25 +12,25 @@ DEMO_FLAGS ?= --epochs 12 -b 128 --lr 0.02 -j 1 -p 20 --out-dir runs/demo
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 # 2-process DDP on the built-in dataset: gloo on CPU, NCCL on CUDA (chosen by ddptrain).
 demo: $(STAMP)
+	rm -rf runs/demo
 	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m ddptrain train $(DEMO_FLAGS)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests bench
-	$(BIN)/ruff check --fix src tests bench
+	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests
 
 clean:
 	rm -rf $(VENV) runs

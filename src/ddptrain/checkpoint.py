@@ -29,11 +29,18 @@ class TrainState:
     best_acc1: float = 0.0
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Readers see the old file or the new one, never a torn one, even after a crash."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp's 0600 would hide it from others
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

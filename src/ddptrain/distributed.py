@@ -56,6 +56,8 @@ def _placement(config: Config, slot: SpawnSlot | None) -> tuple[int, int, int, i
         world = slot.nodes * slot.nproc_per_node
         return rank, world, slot.local_rank, slot.nproc_per_node, slot.dist_url
     if config.dist_url == "env://" and "WORLD_SIZE" in env:  # torchrun, torch.distributed.launch
+        if "RANK" not in env:
+            raise UserError("WORLD_SIZE is set but RANK is not: launch with torchrun")
         local_rank = int(env.get("LOCAL_RANK", config.local_rank or 0))
         local_world = int(env.get("LOCAL_WORLD_SIZE", 1))
         return int(env["RANK"]), int(env["WORLD_SIZE"]), local_rank, local_world, "env://"
@@ -90,7 +92,7 @@ def _device(config: Config, local_rank: int) -> torch.device:
     else:
         raise UserError(
             f"local rank {local_rank} has no {kind} device of its own (this node has {count}); "
-            "start at most one process per device"
+            "start at most one process per device, or pin one with --gpu"
         )
     if index >= count:
         raise UserError(f"--gpu {index}: this node has {count} {kind} device(s)")
@@ -104,14 +106,26 @@ def _share_cpu_threads(local_world_size: int) -> None:
         torch.set_num_threads(max(1, (cores or 1) // local_world_size))
 
 
+def _backend(config: Config, device: torch.device) -> str:
+    backend = config.dist_backend or dist.get_default_backend_for_device(device.type)
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError(f"--dist-backend nccl needs CUDA devices; this run is on {device.type}")
+    return backend
+
+
 def init(config: Config, slot: SpawnSlot | None = None) -> DistEnv:
     rank, world, local_rank, local_world, url = _placement(config, slot)
+    if config.gpu is not None and local_world > 1:
+        raise UserError(
+            f"--gpu {config.gpu} would put all {local_world} processes of this node on one "
+            "device; drop it: each rank takes the device of its local rank"
+        )
     device = _device(config, local_rank)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     _share_cpu_threads(local_world)
     if world > 1:
-        backend = config.dist_backend or dist.get_default_backend_for_device(device.type)
+        backend = _backend(config, device)
         dist.init_process_group(
             backend, init_method=url, world_size=world, rank=rank, timeout=TIMEOUT
         )
@@ -130,23 +144,67 @@ def all_sum(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return tensor
 
 
-def broadcast_int(value: int, env: DistEnv) -> int:
-    """Rank 0's value on every rank."""
-    if not env.distributed:
-        return value
-    box = torch.tensor([value], dtype=torch.int64, device=_comm_device(env))
-    dist.broadcast(box, src=0)
-    return int(box.item())
-
-
 def _comm_device(env: DistEnv) -> torch.device:
     return env.device if dist.get_backend() != "gloo" else torch.device("cpu")
+
+
+def agree(env: DistEnv, action: Callable[[], object]) -> object:
+    """action() on every rank; a UserError on any rank is raised on every rank.
+
+    For setup steps that only some ranks may fail (a file missing on one node, an unwritable
+    out-dir on rank 0): without this, the ranks that passed would wait forever for the others
+    in their next collective.
+    """
+    result, error = None, None
+    try:
+        result = action()
+    except UserError as err:
+        error = err
+    if env.distributed:
+        failed = torch.tensor([int(error is not None)], device=_comm_device(env))
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item() and error is None:
+            raise UserError("another rank failed while setting up; its output says why")
+    if error is not None:
+        raise error
+    return result
+
+
+def from_rank0(env: DistEnv, decide: Callable[[], object]) -> object:
+    """Rank 0's decide() on every rank (a small picklable value), or its UserError everywhere.
+
+    For decisions that must be the same on every rank, such as which checkpoint to resume.
+    """
+    box = [None, None]
+    if env.is_main:
+        try:
+            box[0] = decide()
+        except UserError as err:
+            box[1] = str(err)
+    if env.distributed:
+        dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise UserError(box[1])
+    return box[0]
+
+
+def broadcast_buffers(module: torch.nn.Module, env: DistEnv) -> None:
+    """Rank 0's buffers (BatchNorm running statistics) on every rank.
+
+    DDP broadcasts them at the start of each training forward, but every rank then updates its
+    own copy with its own batch: without this, each rank would evaluate its val shard with
+    different statistics, and none with those of the model rank 0 saves.
+    """
+    if env.distributed:
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
 
 
 def rank0_first(env: DistEnv, fetch: Callable[[], object]) -> object:
     """fetch() on rank 0, then on the others: for a download one process should do.
 
     A UserError on rank 0 is raised on every rank, so no rank waits for a download that failed.
+    Ranks on other nodes fetch at the same time as each other, after rank 0.
     """
     result, error = None, None
     if env.is_main:

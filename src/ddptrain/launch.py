@@ -30,7 +30,11 @@ def _free_port() -> int:
 
 def _rendezvous(config: Config, nodes: int) -> str:
     """Where the ranks meet. env:// without MASTER_ADDR on one node: a free local port."""
-    if config.dist_url != "env://" or "MASTER_ADDR" in os.environ:
+    if config.dist_url != "env://":
+        return config.dist_url
+    if "MASTER_ADDR" in os.environ:
+        if "MASTER_PORT" not in os.environ:
+            raise UserError("MASTER_ADDR is set but MASTER_PORT is not (--dist-url env://)")
         return config.dist_url
     if nodes > 1:
         raise UserError(
@@ -43,7 +47,7 @@ def _rendezvous(config: Config, nodes: int) -> str:
 def _worker(local_rank: int, config: Config, nproc: int, nodes: int, url: str) -> None:
     from ddptrain import run
 
-    slot = SpawnSlot(local_rank, nproc, max(config.rank, 0), nodes, url)
+    slot = SpawnSlot(local_rank, nproc, max(config.rank, 0), nodes, url)  # rank -1: one node
     code = report_errors(lambda: run.train(config, slot))
     if code:
         sys.exit(code)
@@ -56,6 +60,11 @@ def spawn(config: Config) -> int:
     """
     nproc = config.nproc_per_node or _default_nproc(config)
     nodes = config.world_size if config.world_size > 0 else 1
+    if nodes > 1 and config.rank < 0:
+        raise UserError(
+            f"--multiprocessing-distributed with --world-size {nodes} (nodes) needs --rank, "
+            "this node's rank"
+        )
     config.check_batch_divides(nproc * nodes)
     url = _rendezvous(config, nodes)
     try:

@@ -7,7 +7,29 @@ from torch import nn
 from ddptrain.distributed import DistEnv, rank0_first
 from ddptrain.errors import UserError
 
-AUX_HEADS = ("googlenet", "inception_v3")
+# These take their pretrained weights with ImageNet's input transform built in.
+TRANSFORM_INPUT = ("googlenet", "inception_v3")
+
+
+def build(arch: str, num_classes: int, image_size: int, pretrained: bool) -> nn.Module:
+    """arch with a num_classes head, checked to run on image_size crops.
+
+    The check is one forward pass on the CPU: an architecture that cannot take the crop size
+    (ViTs want 224, inception 75 or more) is a user error, not a traceback in the first step.
+    """
+    extra = {"transform_input": True} if pretrained and arch in TRANSFORM_INPUT else {}
+    model = torchvision.models.get_model(arch, num_classes=num_classes, **extra)
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, 3, image_size, image_size))
+    except (RuntimeError, AssertionError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(
+            f"--arch {arch} does not run on {image_size} px crops (--image-size): {first}"
+        ) from None
+    model.train()
+    return model
 
 
 def _pretrained_state(arch: str, show_progress: bool) -> dict[str, torch.Tensor]:
@@ -22,22 +44,15 @@ def _pretrained_state(arch: str, show_progress: bool) -> dict[str, torch.Tensor]
         ) from None
 
 
-def build(arch: str, num_classes: int, pretrained: bool, env: DistEnv) -> nn.Module:
-    """arch with a num_classes head; with pretrained, every weight but a resized head is loaded."""
-    # Auxiliary heads make the train-mode output a tuple the loss cannot take; DDP would also
-    # find their parameters unused. The classic example simply crashes on these two.
-    extra = {"aux_logits": False} if arch in AUX_HEADS else {}
-    model = torchvision.models.get_model(arch, num_classes=num_classes, **extra)
-    if not pretrained:
-        return model
+def load_pretrained(model: nn.Module, arch: str, env: DistEnv) -> None:
+    """The arch's default weights, downloaded by rank 0 first; a head of another size stays new.
+
+    A collective: every rank must call it.
+    """
     state = rank0_first(env, lambda: _pretrained_state(arch, show_progress=env.is_main))
     own = model.state_dict()
     fits = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     model.load_state_dict(fits, strict=False)
-    fresh = sorted(set(own) - set(fits) - {k for k in own if k.endswith("num_batches_tracked")})
+    fresh = sorted(k for k in set(own) - set(fits) if not k.endswith("num_batches_tracked"))
     if env.is_main and fresh:
-        print(
-            f"pretrained {arch}: new head for {num_classes} classes ({', '.join(fresh)})",
-            flush=True,
-        )
-    return model
+        print(f"pretrained {arch}: new weights for {', '.join(fresh)}", flush=True)

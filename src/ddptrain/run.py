@@ -1,6 +1,12 @@
-"""Composition root: builds every object of a run in order and always tears down."""
+"""Composition root: builds every object of a run in order and always tears down.
 
-import json
+Setup runs in three phases so that a user error on any rank ends every rank:
+1. decisions rank 0 makes for all (the data seed, which checkpoint to resume);
+2. local work that may fail on some ranks only (data checks, reading the checkpoint, the
+   out-dir), ended by `distributed.agree`;
+3. collective work (pretrained download, DDP wrapping), reached by every rank.
+"""
+
 import os
 import random
 import secrets
@@ -17,6 +23,64 @@ from ddptrain.errors import UserError
 from ddptrain.metrics import MetricsLog
 
 
+def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
+    """Runs the configured job on this process. Importable: any launcher can call it."""
+    env = distributed.init(config, slot)
+    try:
+        return _train(config, env)
+    finally:
+        distributed.teardown()
+
+
+def _train(config: Config, env: DistEnv) -> TrainState:
+    config.check_batch_divides(env.world_size)
+    out_dir = Path(config.out_dir)
+    seed = distributed.from_rank0(env, lambda: _data_seed(config))
+    resume = distributed.from_rank0(env, lambda: checkpoint.resolve(config.resume, out_dir))
+    if config.seed is not None:
+        _seed_everything(config.seed, env)
+
+    loaders, model, optimizer, scheduler, state = distributed.agree(
+        env, lambda: _prepare(config, env, out_dir, seed, resume)
+    )
+
+    if config.pretrained and resume is None:
+        models.load_pretrained(model, config.arch, env)
+    model = parallelize.wrap(model, env, gpu_pinned=config.gpu is not None)
+    meta = {
+        "arch": config.arch,
+        "num_classes": loaders.num_classes,
+        "class_to_idx": loaders.class_to_idx,
+        "config": config.to_dict(),
+    }
+    log = MetricsLog(out_dir, enabled=env.is_main)
+    resolved = {
+        **config.to_dict(),
+        "resolved": {
+            "world_size": env.world_size,
+            "per_rank_batch": config.batch_size // env.world_size,
+            "device": str(env.device),
+            "data_seed": seed,
+        },
+    }
+    run = trainer.Run(config, env, loaders, model, optimizer, scheduler, meta, log, seed, resolved)
+    if config.evaluate:
+        return _evaluate_only(run, state)
+    if env.is_main:
+        print(
+            f"training {config.arch} on {loaders.num_classes} classes, {env.world_size} rank(s) "
+            f"on {env.device.type}, global batch {config.batch_size}, "
+            f"epochs {state.epoch}->{config.epochs}",
+            flush=True,
+        )
+    return trainer.fit(run, state)
+
+
+def _data_seed(config: Config) -> int:
+    """Orders and augments the data, the same on every rank: --seed, or a fresh random one."""
+    return config.seed if config.seed is not None else secrets.randbits(62)
+
+
 def _seed_everything(seed: int, env: DistEnv) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # needed by deterministic cuBLAS
     random.seed(seed + env.rank)
@@ -25,6 +89,45 @@ def _seed_everything(seed: int, env: DistEnv) -> None:
     # warn_only: a model whose op has no deterministic kernel still trains, with a warning.
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
+
+
+def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Path | None):
+    """Everything that may fail on some ranks only. No collectives in here."""
+    if env.is_main and not config.evaluate:
+        _check_out_dir(out_dir, fresh=resume is None)
+    loaders = data.build(config, env, _data_root(config, env), seed)
+    model = models.build(config.arch, loaders.num_classes, config.image_size, config.pretrained)
+    # On the device before the optimizer exists, so restored optimizer state lands there too.
+    model = model.to(env.device)
+    optimizer, scheduler = optim.build(model, config)
+    if resume is None:
+        if config.evaluate and not config.pretrained:
+            raise UserError(f"--evaluate: no checkpoint to evaluate in {out_dir}")
+        if config.resume == "auto" and env.is_main:
+            print(f"--resume auto: no checkpoint in {out_dir}, starting fresh", flush=True)
+        optim.fast_forward(scheduler, config.start_epoch)
+        return loaders, model, optimizer, scheduler, TrainState(epoch=config.start_epoch)
+    saved = checkpoint.load(resume)
+    checkpoint.check_compatible(saved, resume, config.arch, loaders.class_to_idx)
+    state = checkpoint.restore(saved, model, optimizer, scheduler)
+    if env.is_main:
+        print(f"resumed from {resume} (epoch {state.epoch}, best acc1 {state.best_acc1:.2f})")
+    return loaders, model, optimizer, scheduler, state
+
+
+def _check_out_dir(out_dir: Path, fresh: bool) -> None:
+    """A writable out-dir, and no earlier run's checkpoint that a fresh run would overwrite."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--out-dir {out_dir}: {err.strerror}") from None
+    if not os.access(out_dir, os.W_OK):
+        raise UserError(f"--out-dir {out_dir} is not writable")
+    if fresh and (out_dir / checkpoint.LATEST).exists():
+        raise UserError(
+            f"--out-dir {out_dir} already holds {checkpoint.LATEST} of an earlier run: continue "
+            "it with --resume auto, or choose another --out-dir"
+        )
 
 
 def _data_root(config: Config, env: DistEnv) -> Path | None:
@@ -40,91 +143,10 @@ def _data_root(config: Config, env: DistEnv) -> Path | None:
     return root
 
 
-def _write_config(out_dir: Path, config: Config, env: DistEnv, seed: int) -> None:
-    resolved = {
-        **config.to_dict(),
-        "resolved": {
-            "world_size": env.world_size,
-            "per_rank_batch": config.batch_size // env.world_size,
-            "device": str(env.device),
-            "data_seed": seed,
-        },
-    }
-    checkpoint.atomic_write(out_dir / "config.json", json.dumps(resolved, indent=2).encode())
-
-
-def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
-    """Runs the configured job on this process. Importable: any launcher can call it."""
-    env = distributed.init(config, slot)
-    try:
-        return _train(config, env)
-    finally:
-        distributed.teardown()
-
-
-def _train(config: Config, env: DistEnv) -> TrainState:
-    config.check_batch_divides(env.world_size)
-    # One data seed for all ranks: without --seed, rank 0 draws it.
-    seed = (
-        config.seed
-        if config.seed is not None
-        else distributed.broadcast_int(secrets.randbits(62), env)
-    )
-    if config.seed is not None:
-        _seed_everything(config.seed, env)
-    out_dir = Path(config.out_dir)
-    loaders = data.build(config, env, _data_root(config, env), seed)
-    model = models.build(config.arch, loaders.num_classes, config.pretrained, env)
-    optimizer, scheduler = optim.build(model, config)
-    state = _resume_or_start(
-        config, env, out_dir, model, optimizer, scheduler, loaders.class_to_idx
-    )
-    model = parallelize.wrap(model, env, gpu_pinned=config.gpu is not None)
-    meta = {
-        "arch": config.arch,
-        "num_classes": loaders.num_classes,
-        "class_to_idx": loaders.class_to_idx,
-        "config": config.to_dict(),
-    }
-    if env.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    log = MetricsLog(out_dir, enabled=env.is_main)
-    run = trainer.Run(config, env, loaders, model, optimizer, scheduler, meta, log, seed)
-    if config.evaluate:
-        return _evaluate_only(run, state)
-    if env.is_main:
-        _write_config(out_dir, config, env, seed)
-        print(
-            f"training {config.arch} on {loaders.num_classes} classes, {env.world_size} rank(s) "
-            f"on {env.device.type}, global batch {config.batch_size}, "
-            f"epochs {state.epoch}->{config.epochs}",
-            flush=True,
-        )
-    return trainer.fit(run, state)
-
-
-def _resume_or_start(config, env, out_dir, model, optimizer, scheduler, class_to_idx) -> TrainState:
-    path = checkpoint.resolve(config.resume, out_dir)
-    if path is None:
-        if config.resume == "auto" and env.is_main:
-            print(f"--resume auto: no checkpoint in {out_dir}, starting fresh", flush=True)
-        if config.evaluate and not config.pretrained:
-            raise UserError(f"--evaluate: no checkpoint to evaluate in {out_dir}")
-        optim.fast_forward(scheduler, config.start_epoch)
-        return TrainState(epoch=config.start_epoch)
-    saved = checkpoint.load(path)
-    checkpoint.check_compatible(saved, path, config.arch, class_to_idx)
-    state = checkpoint.restore(saved, model, optimizer, scheduler)
-    if env.is_main:
-        print(
-            f"resumed from {path} (epoch {state.epoch}, best acc1 {state.best_acc1:.2f})",
-            flush=True,
-        )
-    return state
-
-
 def _evaluate_only(run: trainer.Run, state: TrainState) -> TrainState:
     val = trainer.evaluate(run.model, run.data.val_loader, run.env, torch.nn.CrossEntropyLoss())
+    if run.env.is_main:
+        Path(run.config.out_dir).mkdir(parents=True, exist_ok=True)
     run.log.write({"split": "val", "epoch": state.epoch, **val})
     if run.env.is_main:
         print(

@@ -20,11 +20,11 @@ from PIL import Image, ImageDraw
 
 from ddptrain.errors import UserError
 
-VERSION = 3  # bump when the images change, so stale caches are not reused
+VERSION = 4  # bump when the images change, so stale caches are not reused
 CANVAS = 128  # shapes are drawn large, then rotated and shrunk: smooth edges at any size
-LINES, DOTS = (3, 6), (2, 4)  # clutter per image: (min, max)
+LINES, DOTS = (2, 5), (1, 3)  # clutter per image: (min, max)
 BACKGROUND, CLUTTER, SHAPE = (0.0, 0.35), (0.4, 0.6), (0.7, 1.0)  # brightness bands (HSV value)
-SCALE = (0.5, 0.85)  # shape side / image side
+SCALE = (0.55, 0.9)  # shape side / image side
 
 
 def _regular(n: int, r: float = 1.0, phase: float = 90.0) -> list[tuple[float, float]]:

@@ -1,5 +1,6 @@
 """The training loop: one step, one epoch, exact evaluation, and the epoch loop around them."""
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -11,15 +12,21 @@ from ddptrain import checkpoint
 from ddptrain.checkpoint import TrainState
 from ddptrain.config import Config
 from ddptrain.data import Data, epoch_seed
-from ddptrain.distributed import DistEnv
+from ddptrain.distributed import DistEnv, broadcast_buffers
 from ddptrain.metrics import MetricsLog, Sums
 from ddptrain.parallelize import unwrap
+
+AUX_WEIGHT = 0.4  # googlenet and inception_v3 auxiliary heads, as torchvision's references
 
 
 def train_step(model, criterion, optimizer, images, target) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step. Returns the (device) loss and logits: no host synchronisation."""
     output = model(images)
-    loss = criterion(output, target)
+    if isinstance(output, tuple):  # (logits, *auxiliary logits) in train mode
+        output, *aux = output
+        loss = criterion(output, target) + AUX_WEIGHT * sum(criterion(a, target) for a in aux)
+    else:
+        loss = criterion(output, target)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -31,10 +38,11 @@ def evaluate(model: nn.Module, loader, env: DistEnv, criterion) -> dict[str, flo
     """Loss, acc1 and acc5 over the whole val set: each rank its own disjoint shard, sums
     all-reduced, so every image counts once at any world size.
 
-    Runs the unwrapped model: DDP's forward would sync buffers, which ranks with fewer batches
-    would never match.
+    Runs the unwrapped model: DDP's forward would sync buffers at every batch, which ranks with
+    fewer batches would never match. A collective: every rank must call it.
     """
     model = unwrap(model)
+    broadcast_buffers(model, env)
     model.eval()
     sums = Sums(env.device)
     for images, target in loader:
@@ -58,6 +66,7 @@ class Run:
     meta: dict  # arch, num_classes, class_to_idx, config: saved with every checkpoint
     log: MetricsLog
     seed: int
+    resolved_config: dict  # config.json: the configuration plus what the run resolved
 
 
 def _log(env: DistEnv, line: str) -> None:
@@ -115,6 +124,7 @@ def fit(run: Run, state: TrainState) -> TrainState:
     config, env = run.config, run.env
     criterion = nn.CrossEntropyLoss()
     out_dir = run.log.path.parent
+    start, val = time.perf_counter(), None
     for epoch in range(state.epoch, config.epochs):
         lr = run.optimizer.param_groups[0]["lr"]
         _reseed(run.seed, epoch, env.rank)
@@ -129,6 +139,9 @@ def fit(run: Run, state: TrainState) -> TrainState:
                 unwrap(run.model), run.optimizer, run.scheduler, state, run.meta
             )
             checkpoint.save(out_dir, ckpt, is_best)
+            # Written with the checkpoint, not before: a run that fails early changes nothing.
+            config_json = json.dumps(run.resolved_config, indent=2).encode()
+            checkpoint.atomic_write(out_dir / "config.json", config_json)
         run.log.write({"split": "train", "epoch": state.epoch, "lr": lr, **train})
         run.log.write({"split": "val", "epoch": state.epoch, **val})
         _log(
@@ -137,5 +150,13 @@ def fit(run: Run, state: TrainState) -> TrainState:
             f"acc1 {train['acc1']:.2f} ({train['samples_per_sec']:.1f} samples/s) | val loss "
             f"{val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} "
             f"({val['samples']} images) | best acc1 {state.best_acc1:.2f}",
+        )
+    if val is None:
+        _log(env, f"nothing to train: {state.epoch} of {config.epochs} epochs already done")
+    else:
+        _log(
+            env,
+            f"trained in {time.perf_counter() - start:.0f} s: val acc1 {val['acc1']:.2f} "
+            f"(best {state.best_acc1:.2f}); checkpoints in {out_dir}",
         )
     return state

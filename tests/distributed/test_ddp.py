@@ -3,8 +3,9 @@ import torch
 from harness import run_ranks
 from torch import nn
 
-from ddptrain import data, models, parallelize, trainer
+from ddptrain import data, distributed, models, parallelize, trainer
 from ddptrain.config import Config
+from ddptrain.errors import UserError
 
 
 def flat_params(model):
@@ -13,7 +14,7 @@ def flat_params(model):
 
 def one_step_with_rank_specific_data(env):
     torch.manual_seed(100 + env.rank)  # different initial weights: DDP must broadcast rank 0's
-    model = parallelize.wrap(models.build("resnet18", 3, False, env), env, gpu_pinned=False)
+    model = parallelize.wrap(models.build("resnet18", 3, 16, False), env, gpu_pinned=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     images, target = torch.randn(4, 3, 16, 16), torch.randint(0, 3, (4,))
     trainer.train_step(model, nn.CrossEntropyLoss(), optimizer, images, target)
@@ -59,7 +60,7 @@ def evaluate(env, root):
     config = Config(data=str(root), batch_size=6, workers=0, image_size=16)
     loaders = data.build(config, env, root, seed=0)
     torch.manual_seed(0)
-    model = models.build("resnet18", 3, False, env)
+    model = models.build("resnet18", 3, 16, False)
     return trainer.evaluate(model, loaders.val_loader, env, nn.CrossEntropyLoss())
 
 
@@ -72,3 +73,30 @@ def test_exact_evaluation_on_an_uneven_val_set(tiny_data, world):
         assert result["samples"] == 15
         assert result["acc1"] == single["acc1"] and result["acc5"] == single["acc5"]
         assert result["loss"] == pytest.approx(single["loss"], rel=1e-6)
+
+
+def setup_failing_on_rank_1(env):
+    def action():
+        if env.rank == 1:
+            raise UserError("checkpoint missing on this node")
+        return "ok"
+
+    try:
+        distributed.agree(env, action)
+    except UserError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_setup_error_on_one_rank_is_raised_on_every_rank():
+    first, second = run_ranks(setup_failing_on_rank_1, 2)
+    assert second == "checkpoint missing on this node"
+    assert "another rank failed" in first
+
+
+def decided_by_rank_0(env):
+    return distributed.from_rank0(env, lambda: f"rank {env.rank} decides")
+
+
+def test_rank_0_decides_for_all():
+    assert run_ranks(decided_by_rank_0, 3) == ["rank 0 decides"] * 3

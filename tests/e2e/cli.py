@@ -10,8 +10,8 @@ import torch
 DEADLINE = 240  # seconds: a hang fails the test instead of stalling CI
 
 
-def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+def _env(**extra) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **extra}
 
 
 def free_port() -> int:
@@ -42,8 +42,8 @@ def tiny_args(data, out, *extra) -> list[str]:
     ]
 
 
-def ddptrain(*args, timeout=DEADLINE) -> subprocess.CompletedProcess:
-    return _run([sys.executable, "-m", "ddptrain", *map(str, args)], timeout)
+def ddptrain(*args, timeout=DEADLINE, env=None) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "ddptrain", *map(str, args)], timeout, env)
 
 
 def torchrun(nproc: int, *args, timeout=DEADLINE) -> subprocess.CompletedProcess:
@@ -110,8 +110,10 @@ def tcp_pair(*args, timeout=DEADLINE) -> list[subprocess.CompletedProcess]:
     return done
 
 
-def _run(cmd, timeout) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+def _run(cmd, timeout, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=_env(**(env or {}))
+    )
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -60,3 +60,11 @@ def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_data, tmp_path):
     ok(ddptrain("train", *tiny_args(tiny_data, tmp_path)))
     ok(torchrun(2, "train", *tiny_args(tiny_data, tmp_path), "--epochs", "2", "--resume", "auto"))
     assert state(tmp_path)["epoch"] == 2
+
+
+def test_resuming_a_finished_run_does_nothing(tiny_data, tmp_path):
+    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path)))
+    before = (tmp_path / "checkpoint.pt").read_bytes()
+    result = ok(ddptrain("train", *tiny_args(tiny_data, tmp_path), "--resume", "auto"))
+    assert "nothing to train" in result.stdout
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before

@@ -40,7 +40,8 @@ def test_missing_data_directory(tmp_path):
 
 def test_missing_val_directory(data, tmp_path):
     shutil.rmtree(data / "val")
-    assert_user_error(timed(lambda: ddptrain("train", *tiny_args(data, tmp_path / "out"))), "val")
+    result = timed(lambda: ddptrain("train", *tiny_args(data, tmp_path / "out")))
+    assert_user_error(result, str(data / "val"))
 
 
 def test_empty_class_folder(data, tmp_path):
@@ -136,3 +137,32 @@ def test_one_failing_rank_ends_the_other(data, tmp_path):
     )
     assert_user_error(result, str(bad))
     assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_pretrained_weights_that_cannot_be_had_offline(tiny_data, tmp_path):
+    # A proxy on a closed local port: the download fails at once, as on a machine with no network.
+    offline = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}
+    result = timed(
+        lambda: ddptrain("train", *tiny_args(tiny_data, tmp_path), "--pretrained", env=offline)
+    )
+    assert_user_error(result, "--pretrained", "resnet18", "offline")
+
+
+def test_a_fresh_run_does_not_overwrite_an_earlier_one(tiny_data, tmp_path):
+    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path)))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    result = timed(lambda: ddptrain("train", *tiny_args(tiny_data, tmp_path)))
+    assert_user_error(result, str(tmp_path), "--resume auto")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_unwritable_out_dir(tiny_data, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = timed(lambda: ddptrain("train", *tiny_args(tiny_data, blocker / "out")))
+    assert_user_error(result, "--out-dir", str(blocker / "out"))
+
+
+def test_arch_that_cannot_take_the_crop_size(tiny_data, tmp_path):
+    result = timed(lambda: ddptrain("train", *tiny_args(tiny_data, tmp_path), "-a", "vit_b_32"))
+    assert_user_error(result, "--arch vit_b_32", "16 px")

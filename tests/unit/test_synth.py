@@ -41,6 +41,14 @@ def test_bad_spec():
 
 def _ensure(cache, queue):
     os.environ["XDG_CACHE_HOME"] = cache
+    original = synth.write
+
+    def counted(*args, **kwargs):
+        with open(os.path.join(cache, "writes.log"), "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return original(*args, **kwargs)
+
+    synth.write = counted
     queue.put(str(synth.ensure_builtin(SMALL, log=False)))
 
 
@@ -55,6 +63,7 @@ def test_concurrent_first_use_generates_once(tmp_path):
         assert p.exitcode == 0
     roots = {queue.get(timeout=5) for _ in procs}
     assert len(roots) == 1
+    assert len((tmp_path / "writes.log").read_text().splitlines()) == 1  # one wrote, two waited
     root = roots.pop()
     assert len(files(__import__("pathlib").Path(root))) == 30
     leftovers = [p.name for p in (tmp_path / "ddptrain").iterdir() if ".tmp-" in p.name]

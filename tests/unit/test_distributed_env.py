@@ -1,0 +1,83 @@
+"""How each launcher's environment becomes a placement, without starting process groups."""
+
+import pytest
+import torch
+
+from ddptrain import distributed
+from ddptrain.config import Config
+from ddptrain.distributed import SpawnSlot
+from ddptrain.errors import UserError
+
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+@pytest.fixture(autouse=True)
+def no_launcher(monkeypatch):
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_single_process():
+    assert distributed._placement(Config(), None) == (0, 1, 0, 1, "env://")
+
+
+def test_torchrun_variables_give_each_rank_its_local_device(monkeypatch):
+    for name, value in dict(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4").items():
+        monkeypatch.setenv(name, value)
+    assert distributed._placement(Config(), None) == (5, 8, 1, 4, "env://")
+
+
+def test_torch_distributed_launch_local_rank_flag(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert distributed._placement(Config(local_rank=1), None)[2] == 1
+
+
+def test_spawn_slot_counts_nodes_and_local_processes():
+    slot = SpawnSlot(local_rank=2, nproc_per_node=4, node_rank=1, nodes=2, dist_url="tcp://h:1")
+    assert distributed._placement(Config(), slot) == (6, 8, 2, 4, "tcp://h:1")
+
+
+def test_tcp_invocations():
+    config = Config(world_size=2, rank=1, dist_url="tcp://127.0.0.1:5")
+    assert distributed._placement(config, None) == (1, 2, 1, 1, "tcp://127.0.0.1:5")
+    with pytest.raises(UserError, match="--rank"):
+        distributed._placement(Config(world_size=2, dist_url="tcp://127.0.0.1:5"), None)
+
+
+def test_incomplete_launcher_environments(monkeypatch):
+    with pytest.raises(UserError, match="MASTER_ADDR"):
+        distributed._placement(Config(world_size=2, rank=0), None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="RANK"):
+        distributed._placement(Config(), None)
+
+
+def test_devices():
+    assert distributed._device(Config(no_accel=True), 3) == torch.device("cpu")
+    assert distributed._device(Config(device="cpu"), 0) == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert distributed._device(Config(), 0) == torch.device("cpu")
+        with pytest.raises(UserError, match="--device cuda"):
+            distributed._device(Config(device="cuda"), 0)
+
+
+def test_backend_follows_the_device():
+    cpu = torch.device("cpu")
+    assert distributed._backend(Config(), cpu) == "gloo"
+    with pytest.raises(UserError, match="nccl"):
+        distributed._backend(Config(dist_backend="nccl"), cpu)
+
+
+def test_gpu_pin_is_refused_with_several_local_ranks(monkeypatch):
+    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError, match="--gpu 0"):
+        distributed.init(Config(gpu=0))
