@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CUDA builds of these releases; pip takes them from the local wheel store where it has one.
 TORCH := torch==2.14.1 torchvision==0.29.1
 NPROC ?= 2
-DEMO_FLAGS ?= --epochs 12 -b 128 --lr 0.02 -j 1 -p 20 --out-dir runs/demo
+DEMO_FLAGS ?= --epochs 12 -b 128 --lr 0.02 --seed 0 -j 1 -p 20 --out-dir runs/demo
 
 .PHONY: demo test lint format clean
 
