@@ -93,8 +93,8 @@ def _seed_everything(seed: int, env: DistEnv) -> None:
 
 def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Path | None):
     """Everything that may fail on some ranks only. No collectives in here."""
-    if env.is_main and not config.evaluate:
-        _check_out_dir(out_dir, fresh=resume is None)
+    if env.is_main:
+        _check_out_dir(out_dir, fresh=resume is None and not config.evaluate)
     loaders = data.build(config, env, _data_root(config, env), seed)
     model = models.build(config.arch, loaders.num_classes, config.image_size, config.pretrained)
     # On the device before the optimizer exists, so restored optimizer state lands there too.
@@ -145,8 +145,6 @@ def _data_root(config: Config, env: DistEnv) -> Path | None:
 
 def _evaluate_only(run: trainer.Run, state: TrainState) -> TrainState:
     val = trainer.evaluate(run.model, run.data.val_loader, run.env, torch.nn.CrossEntropyLoss())
-    if run.env.is_main:
-        Path(run.config.out_dir).mkdir(parents=True, exist_ok=True)
     run.log.write({"split": "val", "epoch": state.epoch, **val})
     if run.env.is_main:
         print(

@@ -221,15 +221,21 @@ def ensure_builtin(spec: SynthSpec = SynthSpec(), log: bool = True) -> Path:
     root = cache_dir() / f"synth-v{VERSION}-{counts}-{spec.size}px-s{spec.seed}"
     if root.is_dir():
         return root
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f".{root.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not root.is_dir():
-            if log:
-                print(
-                    f"generating the built-in dataset ({spec.describe()}) into {root}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            write(spec, root)
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with open(root.parent / f".{root.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not root.is_dir():
+                if log:
+                    print(
+                        f"generating the built-in dataset ({spec.describe()}) into {root}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                write(spec, root)
+    except OSError as err:
+        raise UserError(
+            f"cannot write the built-in dataset into {root.parent} ({err.strerror}); "
+            "set XDG_CACHE_HOME to a writable directory, or give DATA"
+        ) from None
     return root

@@ -68,3 +68,11 @@ def test_concurrent_first_use_generates_once(tmp_path):
     assert len(files(__import__("pathlib").Path(root))) == 30
     leftovers = [p.name for p in (tmp_path / "ddptrain").iterdir() if ".tmp-" in p.name]
     assert leftovers == []
+
+
+def test_unwritable_cache_is_a_user_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    with pytest.raises(UserError, match="XDG_CACHE_HOME"):
+        synth.ensure_builtin(SMALL, log=False)
