@@ -110,6 +110,16 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--local-rank", "--local_rank", dest="local_rank", type=int, help=argparse.SUPPRESS
     )
+    # Not set: a resumed run keeps its checkpoint's setting.
+    p.add_argument("--amp", help="autocast: none, bf16 (CPU and GPU), fp16 (CUDA, GradScaler)")
+    p.add_argument(
+        "--channels-last",
+        action=argparse.BooleanOptionalAction,
+        help="NHWC memory format (default: on for convolutional models)",
+    )
+    p.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ from ddptrain.errors import UserError
 
 DEVICES = ("auto", "cpu", "cuda", "mps", "xpu")
 BACKENDS = ("gloo", "nccl", "xccl", "mpi", "ucc")
+AMP = ("none", "bf16", "fp16")
 # Train crop of the built-in dataset, whose images are 40 px; real data gets ImageNet's 224.
 BUILTIN_IMAGE_SIZE = 32
 DEFAULT_IMAGE_SIZE = 224
@@ -53,6 +54,10 @@ class Config:
     nproc_per_node: int | None = None
     device: str = "auto"
     local_rank: int | None = None
+    # None: the resumed checkpoint's setting, else none / on for convolutional models / off.
+    amp: str | None = None
+    channels_last: bool | None = None
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         if self.image_size is None:
@@ -83,6 +88,8 @@ class Config:
                 f"--arch: unknown architecture {self.arch!r}; choose one of: "
                 + ", ".join(architectures())
             )
+        if self.amp is not None and self.amp not in AMP:
+            raise UserError(f"--amp must be one of {', '.join(AMP)}, got {self.amp!r}")
         if self.device not in DEVICES:
             raise UserError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.no_accel and self.device not in ("auto", "cpu"):

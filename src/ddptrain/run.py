@@ -15,12 +15,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddptrain import checkpoint, data, distributed, models, optim, parallelize, synth, trainer
+from ddptrain import (
+    checkpoint,
+    data,
+    distributed,
+    models,
+    optim,
+    parallelize,
+    synth,
+    trainer,
+)
 from ddptrain.checkpoint import TrainState
 from ddptrain.config import Config
 from ddptrain.distributed import DistEnv, SpawnSlot
 from ddptrain.errors import UserError
 from ddptrain.metrics import MetricsLog
+from ddptrain.precision import resolve_precision
 
 
 def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
@@ -40,22 +50,26 @@ def _train(config: Config, env: DistEnv) -> TrainState:
     if config.seed is not None:
         _seed_everything(config.seed, env)
 
-    loaders, model, optimizer, scheduler, state = distributed.agree(
+    loaders, model, optimizer, scheduler, state, precision = distributed.agree(
         env, lambda: _prepare(config, env, out_dir, seed, resume)
     )
 
     if config.pretrained and resume is None:
         models.load_pretrained(model, config.arch, env)
     model = parallelize.wrap(model, env, gpu_pinned=config.gpu is not None)
+    if precision.compile:
+        model = torch.compile(model)
+    # Saved with the resolved precision, so a resumed run keeps it unless flags say otherwise.
+    settings = {**config.to_dict(), **precision.settings()}
     meta = {
         "arch": config.arch,
         "num_classes": loaders.num_classes,
         "class_to_idx": loaders.class_to_idx,
-        "config": config.to_dict(),
+        "config": settings,
     }
     log = MetricsLog(out_dir, enabled=env.is_main)
     resolved = {
-        **config.to_dict(),
+        **settings,
         "resolved": {
             "world_size": env.world_size,
             "per_rank_batch": config.batch_size // env.world_size,
@@ -63,7 +77,9 @@ def _train(config: Config, env: DistEnv) -> TrainState:
             "data_seed": seed,
         },
     }
-    run = trainer.Run(config, env, loaders, model, optimizer, scheduler, meta, log, seed, resolved)
+    run = trainer.Run(
+        config, env, loaders, model, optimizer, scheduler, meta, log, seed, precision, resolved
+    )
     if config.evaluate:
         return _evaluate_only(run, state)
     if env.is_main:
@@ -96,23 +112,29 @@ def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Pat
     if env.is_main:
         _check_out_dir(out_dir, fresh=resume is None and not config.evaluate)
     loaders = data.build(config, env, _data_root(config, env), seed)
+    saved = None if resume is None else checkpoint.load(resume)
+    if saved is not None:
+        checkpoint.check_compatible(saved, resume, config.arch, loaders.class_to_idx)
+    saved_config = None if saved is None else saved.get("config")
     model = models.build(config.arch, loaders.num_classes, config.image_size, config.pretrained)
+    precision = resolve_precision(config, saved_config, model, env.device)
     # On the device before the optimizer exists, so restored optimizer state lands there too.
-    model = model.to(env.device)
+    model = precision.place(model, env.device)
     optimizer, scheduler = optim.build(model, config)
-    if resume is None:
+    if saved is None:
         if config.evaluate and not config.pretrained:
             raise UserError(f"--evaluate: no checkpoint to evaluate in {out_dir}")
         if config.resume == "auto" and env.is_main:
             print(f"--resume auto: no checkpoint in {out_dir}, starting fresh", flush=True)
         optim.fast_forward(scheduler, config.start_epoch)
-        return loaders, model, optimizer, scheduler, TrainState(epoch=config.start_epoch)
-    saved = checkpoint.load(resume)
-    checkpoint.check_compatible(saved, resume, config.arch, loaders.class_to_idx)
-    state = checkpoint.restore(saved, model, optimizer, scheduler)
-    if env.is_main:
-        print(f"resumed from {resume} (epoch {state.epoch}, best acc1 {state.best_acc1:.2f})")
-    return loaders, model, optimizer, scheduler, state
+        state = TrainState(epoch=config.start_epoch)
+    else:
+        state = checkpoint.restore(saved, model, optimizer, scheduler)
+        if precision.scaler is not None and "scaler" in saved:
+            precision.scaler.load_state_dict(saved["scaler"])
+        if env.is_main:
+            print(f"resumed from {resume} (epoch {state.epoch}, best acc1 {state.best_acc1:.2f})")
+    return loaders, model, optimizer, scheduler, state, precision
 
 
 def _check_out_dir(out_dir: Path, fresh: bool) -> None:
@@ -144,7 +166,8 @@ def _data_root(config: Config, env: DistEnv) -> Path | None:
 
 
 def _evaluate_only(run: trainer.Run, state: TrainState) -> TrainState:
-    val = trainer.evaluate(run.model, run.data.val_loader, run.env, torch.nn.CrossEntropyLoss())
+    criterion = torch.nn.CrossEntropyLoss()
+    val = trainer.evaluate(run.model, run.data.val_loader, run.env, criterion, run.precision)
     run.log.write({"split": "val", "epoch": state.epoch, **val})
     if run.env.is_main:
         print(

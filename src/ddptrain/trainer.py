@@ -15,41 +15,50 @@ from ddptrain.data import Data, epoch_seed
 from ddptrain.distributed import DistEnv, broadcast_buffers
 from ddptrain.metrics import MetricsLog, Sums
 from ddptrain.parallelize import unwrap
+from ddptrain.precision import Precision
 
+DATA_WAIT_WARNING = 0.2  # share of epoch time spent waiting for the loader
 AUX_WEIGHT = 0.4  # googlenet and inception_v3 auxiliary heads, as torchvision's references
 
 
-def train_step(model, criterion, optimizer, images, target) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(
+    model, criterion, optimizer, images, target, precision: Precision | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step. Returns the (device) loss and logits: no host synchronisation."""
-    output = model(images)
-    if isinstance(output, tuple):  # (logits, *auxiliary logits) in train mode
-        output, *aux = output
-        loss = criterion(output, target) + AUX_WEIGHT * sum(criterion(a, target) for a in aux)
-    else:
-        loss = criterion(output, target)
+    precision = precision or Precision()
+    with precision.autocast():
+        output = model(images)
+        if isinstance(output, tuple):  # (logits, *auxiliary logits) in train mode
+            output, *aux = output
+            loss = criterion(output, target) + AUX_WEIGHT * sum(criterion(a, target) for a in aux)
+        else:
+            loss = criterion(output, target)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
+    precision.backward_step(loss, optimizer)
     return loss, output
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, env: DistEnv, criterion) -> dict[str, float]:
+def evaluate(
+    model: nn.Module, loader, env: DistEnv, criterion, precision: Precision | None = None
+) -> dict[str, float]:
     """Loss, acc1 and acc5 over the whole val set: each rank its own disjoint shard, sums
     all-reduced, so every image counts once at any world size.
 
     Runs the unwrapped model: DDP's forward would sync buffers at every batch, which ranks with
     fewer batches would never match. A collective: every rank must call it.
     """
+    precision = precision or Precision()
     model = unwrap(model)
     broadcast_buffers(model, env)
     model.eval()
     sums = Sums(env.device)
     for images, target in loader:
-        images = images.to(env.device, non_blocking=True)
+        images = precision.inputs(images, env.device)
         target = target.to(env.device, non_blocking=True)
-        output = model(images)
-        sums.add(criterion(output, target), output, target)
+        with precision.autocast():
+            output = model(images)
+            sums.add(criterion(output, target), output, target)
     return sums.summary(env)
 
 
@@ -66,6 +75,7 @@ class Run:
     meta: dict  # arch, num_classes, class_to_idx, config: saved with every checkpoint
     log: MetricsLog
     seed: int
+    precision: Precision
     resolved_config: dict  # config.json: the configuration plus what the run resolved
 
 
@@ -96,9 +106,9 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
         ready = time.perf_counter()
         images, target = next(batches)
         waiting += time.perf_counter() - ready
-        images = images.to(env.device, non_blocking=True)
+        images = run.precision.inputs(images, env.device)
         target = target.to(env.device, non_blocking=True)
-        loss, output = train_step(model, criterion, run.optimizer, images, target)
+        loss, output = train_step(model, criterion, run.optimizer, images, target, run.precision)
         sums.add(loss, output, target)
         state.global_step += 1
         if step % config.print_freq == 0 or step == steps:
@@ -130,7 +140,7 @@ def fit(run: Run, state: TrainState) -> TrainState:
         _reseed(run.seed, epoch, env.rank)
         train = train_epoch(run, epoch, state)
         run.scheduler.step()
-        val = evaluate(run.model, run.data.val_loader, env, criterion)
+        val = evaluate(run.model, run.data.val_loader, env, criterion, run.precision)
         state.epoch = epoch + 1
         is_best = val["acc1"] > state.best_acc1
         state.best_acc1 = max(state.best_acc1, val["acc1"])
@@ -138,12 +148,21 @@ def fit(run: Run, state: TrainState) -> TrainState:
             ckpt = checkpoint.payload(
                 unwrap(run.model), run.optimizer, run.scheduler, state, run.meta
             )
+            if run.precision.scaler is not None:
+                ckpt["scaler"] = run.precision.scaler.state_dict()
             checkpoint.save(out_dir, ckpt, is_best)
             # Written with the checkpoint, not before: a run that fails early changes nothing.
             config_json = json.dumps(run.resolved_config, indent=2).encode()
             checkpoint.atomic_write(out_dir / "config.json", config_json)
         run.log.write({"split": "train", "epoch": state.epoch, "lr": lr, **train})
         run.log.write({"split": "val", "epoch": state.epoch, **val})
+        if train["data_wait"] > DATA_WAIT_WARNING:
+            _log(
+                env,
+                f"warning: {100 * train['data_wait']:.0f}% of the epoch went to waiting for data; "
+                f"try more loader workers (-j, now {config.workers}), a smaller --image-size, "
+                "or smaller images on faster storage",
+            )
         _log(
             env,
             f"epoch {state.epoch}/{config.epochs} done: train loss {train['loss']:.4f} "

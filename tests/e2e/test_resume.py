@@ -68,3 +68,12 @@ def test_resuming_a_finished_run_does_nothing(tiny_data, tmp_path):
     result = ok(ddptrain("train", *tiny_args(tiny_data, tmp_path), "--resume", "auto"))
     assert "nothing to train" in result.stdout
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
+
+
+def test_resume_keeps_the_precision_of_the_run(tiny_data, tmp_path):
+    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path), "--amp", "bf16", "--no-channels-last"))
+    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path), "--epochs", "2", "--resume", "auto"))
+    saved = state(tmp_path)["config"]
+    assert (saved["amp"], saved["channels_last"], saved["compile"]) == ("bf16", False, False)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["amp"] == "bf16" and state(tmp_path)["epoch"] == 2

@@ -125,3 +125,10 @@ def test_eval_is_train_evaluate():
 def test_synth_command():
     command, (spec, out) = parse(["synth", "out", "--classes", "4", "--size", "20"])
     assert command == "synth" and out == "out" and (spec.classes, spec.size) == (4, 20)
+
+
+def test_precision_flags():
+    _, c = parse(["train", "--amp", "bf16", "--no-channels-last", "--compile"])
+    assert (c.amp, c.channels_last, c.compile) == ("bf16", False, True)
+    _, c = parse(["train"])
+    assert (c.amp, c.channels_last, c.compile) == (None, None, None)  # resolved at run time

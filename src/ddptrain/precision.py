@@ -1,0 +1,69 @@
+"""How a run's math executes: autocast dtype, gradient scaling, memory format, compilation.
+
+bf16 autocast runs on CPUs (AMX) and GPUs; fp16 needs CUDA and a GradScaler. channels_last is
+on by default for convolutional models: the layout their fast kernels want.
+"""
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ddptrain.config import Config
+from ddptrain.errors import UserError
+
+DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Precision:
+    device_type: str = "cpu"
+    amp: str = "none"
+    channels_last: bool = False
+    compile: bool = False
+    scaler: torch.amp.GradScaler | None = None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        dtype = DTYPES[self.amp]
+        return torch.autocast(self.device_type, dtype=dtype, enabled=dtype is not None)
+
+    def inputs(self, images: torch.Tensor, device: torch.device) -> torch.Tensor:
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        return images.to(device, non_blocking=True, memory_format=layout)
+
+    def place(self, model: nn.Module, device: torch.device) -> nn.Module:
+        layout = torch.channels_last if self.channels_last else torch.preserve_format
+        return model.to(device, memory_format=layout)
+
+    def backward_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+
+    def settings(self) -> dict:
+        return {"amp": self.amp, "channels_last": self.channels_last, "compile": self.compile}
+
+
+def _convolutional(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+def resolve_precision(
+    config: Config, saved_config: dict | None, model: nn.Module, device: torch.device
+) -> Precision:
+    """The run's precision: the flags given, else a resumed checkpoint's, else the defaults."""
+    saved = saved_config or {}
+    amp = config.amp or saved.get("amp") or "none"
+    channels_last = config.channels_last
+    if channels_last is None:
+        channels_last = saved.get("channels_last", _convolutional(model))
+    compiled = config.compile if config.compile is not None else saved.get("compile", False)
+    if amp == "fp16" and device.type != "cuda":
+        raise UserError(f"--amp fp16 needs CUDA (this run is on {device.type}); use --amp bf16")
+    scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+    return Precision(device.type, amp, bool(channels_last), bool(compiled), scaler)
