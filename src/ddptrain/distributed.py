@@ -158,7 +158,7 @@ def agree(env: DistEnv, action: Callable[[], object]) -> object:
     result, error = None, None
     try:
         result = action()
-    except UserError as err:
+    except Exception as err:  # any failure, a bug included: the others must not wait for us
         error = err
     if env.distributed:
         failed = torch.tensor([int(error is not None)], device=_comm_device(env))
@@ -175,17 +175,35 @@ def from_rank0(env: DistEnv, decide: Callable[[], object]) -> object:
 
     For decisions that must be the same on every rank, such as which checkpoint to resume.
     """
-    box = [None, None]
+    box, error = [None, None], None
     if env.is_main:
         try:
             box[0] = decide()
-        except UserError as err:
-            box[1] = str(err)
+        except Exception as err:  # any failure: the others must not wait for rank 0
+            error, box[1] = err, f"rank 0 failed: {err}"
     if env.distributed:
         dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
     if box[1] is not None:
         raise UserError(box[1])
     return box[0]
+
+
+def check_same(env: DistEnv, facts: dict) -> None:
+    """Every rank must hold rank 0's facts (data sizes, classes, resumed epoch): ranks that read
+    different copies of the data or of a checkpoint would run different numbers of steps."""
+    reference = from_rank0(env, lambda: facts)
+
+    def compare() -> None:
+        differ = [name for name in facts if facts[name] != reference[name]]
+        if differ:
+            raise UserError(
+                f"rank {env.rank} sees other {', '.join(differ)} than rank 0: every node must "
+                "read the same data and checkpoint"
+            )
+
+    agree(env, compare)
 
 
 def broadcast_buffers(module: torch.nn.Module, env: DistEnv) -> None:
@@ -203,19 +221,8 @@ def broadcast_buffers(module: torch.nn.Module, env: DistEnv) -> None:
 def rank0_first(env: DistEnv, fetch: Callable[[], object]) -> object:
     """fetch() on rank 0, then on the others: for a download one process should do.
 
-    A UserError on rank 0 is raised on every rank, so no rank waits for a download that failed.
-    Ranks on other nodes fetch at the same time as each other, after rank 0.
+    A failure on any rank ends every rank. Ranks on other nodes fetch after rank 0, at the
+    same time as each other.
     """
-    result, error = None, None
-    if env.is_main:
-        try:
-            result = fetch()
-        except UserError as err:
-            error = str(err)
-    if env.distributed:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error is not None:
-        raise UserError(error)
-    return result if env.is_main else fetch()
+    first = agree(env, fetch) if env.is_main else agree(env, lambda: None)
+    return agree(env, lambda: first if env.is_main else fetch())

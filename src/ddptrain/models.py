@@ -1,5 +1,7 @@
 """Models by torchvision name, optionally from the architecture's default weights."""
 
+import copy
+
 import torch
 import torchvision
 from torch import nn
@@ -14,21 +16,22 @@ TRANSFORM_INPUT = ("googlenet", "inception_v3")
 def build(arch: str, num_classes: int, image_size: int, pretrained: bool) -> nn.Module:
     """arch with a num_classes head, checked to run on image_size crops.
 
-    The check is one forward pass on the CPU: an architecture that cannot take the crop size
-    (ViTs want 224, inception 75 or more) is a user error, not a traceback in the first step.
+    The check is one train-mode forward pass on the CPU (train mode: inception's auxiliary head
+    needs 299 px): an architecture that cannot take the crop size is a user error, not a
+    traceback in the first step. It leaves the weights and BatchNorm statistics as built.
     """
     extra = {"transform_input": True} if pretrained and arch in TRANSFORM_INPUT else {}
     model = torchvision.models.get_model(arch, num_classes=num_classes, **extra)
-    model.eval()
+    as_built = copy.deepcopy(model.state_dict())
     try:
         with torch.no_grad():
-            model(torch.zeros(1, 3, image_size, image_size))
+            model(torch.zeros(2, 3, image_size, image_size))
     except (RuntimeError, AssertionError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(
             f"--arch {arch} does not run on {image_size} px crops (--image-size): {first}"
         ) from None
-    model.train()
+    model.load_state_dict(as_built)
     return model
 
 

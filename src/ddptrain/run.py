@@ -53,6 +53,16 @@ def _train(config: Config, env: DistEnv) -> TrainState:
     loaders, model, optimizer, scheduler, state, precision = distributed.agree(
         env, lambda: _prepare(config, env, out_dir, seed, resume)
     )
+    train_samples = loaders.train_sampler.num_samples if loaders.train_sampler else 0
+    distributed.check_same(
+        env,
+        {
+            "train images": train_samples,
+            "val images": loaders.num_val,
+            "classes": loaders.class_to_idx,
+            "resumed epoch": (state.epoch, state.global_step),
+        },
+    )
 
     if config.pretrained and resume is None:
         models.load_pretrained(model, config.arch, env)
@@ -110,7 +120,7 @@ def _seed_everything(seed: int, env: DistEnv) -> None:
 def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Path | None):
     """Everything that may fail on some ranks only. No collectives in here."""
     if env.is_main:
-        _check_out_dir(out_dir, fresh=resume is None and not config.evaluate)
+        _check_out_dir(out_dir, resume, config.evaluate)
     loaders = data.build(config, env, _data_root(config, env), seed)
     saved = None if resume is None else checkpoint.load(resume)
     if saved is not None:
@@ -137,15 +147,17 @@ def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Pat
     return loaders, model, optimizer, scheduler, state, precision
 
 
-def _check_out_dir(out_dir: Path, fresh: bool) -> None:
-    """A writable out-dir, and no earlier run's checkpoint that a fresh run would overwrite."""
+def _check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool) -> None:
+    """A writable out-dir, holding no checkpoint but the one this run continues."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"--out-dir {out_dir}: {err.strerror}") from None
     if not os.access(out_dir, os.W_OK):
         raise UserError(f"--out-dir {out_dir} is not writable")
-    if fresh and (out_dir / checkpoint.LATEST).exists():
+    latest = out_dir / checkpoint.LATEST
+    continues = resume is not None and latest.exists() and latest.samefile(resume)
+    if latest.exists() and not (continues or evaluate):
         raise UserError(
             f"--out-dir {out_dir} already holds {checkpoint.LATEST} of an earlier run: continue "
             "it with --resume auto, or choose another --out-dir"

@@ -94,6 +94,57 @@ def test_a_setup_error_on_one_rank_is_raised_on_every_rank():
     assert "another rank failed" in first
 
 
+def bug_on_rank_1(env):
+    def action():
+        if env.rank == 1:
+            raise KeyError("a bug")
+
+    try:
+        distributed.agree(env, action)
+    except UserError as err:
+        return f"UserError: {err}"
+    except KeyError as err:
+        return f"KeyError: {err}"
+    return "no error"
+
+
+def test_any_failure_on_one_rank_ends_every_rank_and_keeps_its_own_type():
+    first, second = run_ranks(bug_on_rank_1, 2)
+    assert first.startswith("UserError: another rank failed")
+    assert second == "KeyError: 'a bug'"
+
+
+def download_failing_on_rank_1(env):
+    def fetch():
+        if env.rank == 1:
+            raise UserError("no network on this node")
+        return "weights"
+
+    try:
+        return distributed.rank0_first(env, fetch)
+    except UserError as err:
+        return str(err)
+
+
+def test_a_download_failing_after_rank_0_ends_every_rank():
+    first, second = run_ranks(download_failing_on_rank_1, 2)
+    assert "another rank failed" in first and second == "no network on this node"
+
+
+def facts_differing_on_rank_1(env):
+    try:
+        distributed.check_same(env, {"train images": 100 + env.rank, "classes": {"a": 0}})
+    except UserError as err:
+        return str(err)
+    return "same"
+
+
+def test_ranks_that_read_different_data_all_stop():
+    first, second = run_ranks(facts_differing_on_rank_1, 2)
+    assert "another rank failed" in first
+    assert "rank 1 sees other train images than rank 0" in second
+
+
 def decided_by_rank_0(env):
     return distributed.from_rank0(env, lambda: f"rank {env.rank} decides")
 

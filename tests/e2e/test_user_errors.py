@@ -166,3 +166,21 @@ def test_unwritable_out_dir(tiny_data, tmp_path):
 def test_arch_that_cannot_take_the_crop_size(tiny_data, tmp_path):
     result = timed(lambda: ddptrain("train", *tiny_args(tiny_data, tmp_path), "-a", "vit_b_32"))
     assert_user_error(result, "--arch vit_b_32", "16 px")
+
+
+def test_resuming_another_checkpoint_into_a_used_out_dir(tiny_data, tmp_path):
+    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path / "a")))
+    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path / "b")))
+    before = (tmp_path / "b" / "checkpoint.pt").read_bytes()
+    result = timed(
+        lambda: ddptrain(
+            "train",
+            *tiny_args(tiny_data, tmp_path / "b"),
+            "--epochs",
+            "2",
+            "--resume",
+            tmp_path / "a" / "checkpoint.pt",
+        )
+    )
+    assert_user_error(result, str(tmp_path / "b"))
+    assert (tmp_path / "b" / "checkpoint.pt").read_bytes() == before

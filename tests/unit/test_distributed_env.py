@@ -35,9 +35,9 @@ def test_torchrun_variables_give_each_rank_its_local_device(monkeypatch):
 
 
 def test_torch_distributed_launch_local_rank_flag(monkeypatch):
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert distributed._placement(Config(local_rank=1), None)[2] == 1
+    monkeypatch.setenv("RANK", "3")  # global rank 3 of 4, local rank 1 on its node
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert distributed._placement(Config(local_rank=1), None)[:3] == (3, 4, 1)
 
 
 def test_spawn_slot_counts_nodes_and_local_processes():
