@@ -69,24 +69,8 @@ def _train(config: Config, env: DistEnv) -> TrainState:
     model = parallelize.wrap(model, env, gpu_pinned=config.gpu is not None)
     if precision.compile:
         model = torch.compile(model)
-    # Saved with the resolved precision, so a resumed run keeps it unless flags say otherwise.
-    settings = {**config.to_dict(), **precision.settings()}
-    meta = {
-        "arch": config.arch,
-        "num_classes": loaders.num_classes,
-        "class_to_idx": loaders.class_to_idx,
-        "config": settings,
-    }
+    meta, resolved = _records(config, env, loaders, precision, seed)
     log = MetricsLog(out_dir, enabled=env.is_main)
-    resolved = {
-        **settings,
-        "resolved": {
-            "world_size": env.world_size,
-            "per_rank_batch": config.batch_size // env.world_size,
-            "device": str(env.device),
-            "data_seed": seed,
-        },
-    }
     run = trainer.Run(
         config, env, loaders, model, optimizer, scheduler, meta, log, seed, precision, resolved
     )
@@ -100,6 +84,25 @@ def _train(config: Config, env: DistEnv) -> TrainState:
             flush=True,
         )
     return trainer.fit(run, state)
+
+
+def _records(config: Config, env: DistEnv, loaders: data.Data, precision, seed: int):
+    """What every checkpoint carries besides state, and what config.json holds."""
+    # The resolved precision, so a resumed run keeps it unless flags say otherwise.
+    settings = {**config.to_dict(), **precision.settings()}
+    meta = {
+        "arch": config.arch,
+        "num_classes": loaders.num_classes,
+        "class_to_idx": loaders.class_to_idx,
+        "config": settings,
+    }
+    runtime = {
+        "world_size": env.world_size,
+        "per_rank_batch": config.batch_size // env.world_size,
+        "device": str(env.device),
+        "data_seed": seed,
+    }
+    return meta, {**settings, "resolved": runtime}
 
 
 def _data_seed(config: Config) -> int:
