@@ -110,6 +110,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--local-rank", "--local_rank", dest="local_rank", type=int, help=argparse.SUPPRESS
     )
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=d.dist_timeout,
+        metavar="SECONDS",
+        help="how long a rank waits for the others in a collective before giving up",
+    )
     # Not set: a resumed run keeps its checkpoint's setting.
     p.add_argument("--amp", help="autocast: none, bf16 (CPU and GPU), fp16 (CUDA, GradScaler)")
     p.add_argument(

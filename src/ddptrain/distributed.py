@@ -16,9 +16,6 @@ import torch.distributed as dist
 from ddptrain.config import Config
 from ddptrain.errors import UserError
 
-# Well below gloo's 30 minutes, so a lost rank ends the others instead of stalling a job.
-TIMEOUT = datetime.timedelta(minutes=10)
-
 
 @dataclass(frozen=True)
 class SpawnSlot:
@@ -127,7 +124,11 @@ def init(config: Config, slot: SpawnSlot | None = None) -> DistEnv:
     if world > 1:
         backend = _backend(config, device)
         dist.init_process_group(
-            backend, init_method=url, world_size=world, rank=rank, timeout=TIMEOUT
+            backend,
+            init_method=url,
+            world_size=world,
+            rank=rank,
+            timeout=datetime.timedelta(seconds=config.dist_timeout),
         )
     return DistEnv(rank, world, local_rank, local_world, device)
 

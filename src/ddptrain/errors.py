@@ -22,7 +22,12 @@ def one_line(err: BaseException) -> str:
 
 
 # How a lost peer shows up: torch's own DistError types, or RuntimeErrors from gloo's transport.
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "gloo/transport")
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Timed out",
+    "gloo/transport",
+)
 
 
 def _peer_lost(err: BaseException) -> str | None:
@@ -52,8 +57,8 @@ def report_errors(action: Callable[[], object]) -> int:
         if reason is None:
             raise
         print(
-            "ddptrain: error: lost contact with another rank, which probably failed first: "
-            f"see its output ({reason})",
+            "ddptrain: error: lost contact with another rank, which failed or stalled (see its "
+            f"output; --dist-timeout sets how long ranks wait for each other) ({reason})",
             file=sys.stderr,
             flush=True,
         )

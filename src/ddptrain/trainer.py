@@ -1,6 +1,7 @@
 """The training loop: one step, one epoch, exact evaluation, and the epoch loop around them."""
 
 import json
+import os
 import time
 from dataclasses import dataclass
 
@@ -79,6 +80,14 @@ class Run:
     resolved_config: dict  # config.json: the configuration plus what the run resolved
 
 
+def _maybe_stall(rank: int) -> None:
+    """Fault injection for the tests only: DDPTRAIN_TEST_STALL_RANK=N hangs rank N forever
+    before its first step, as a wedged process would."""
+    if os.environ.get("DDPTRAIN_TEST_STALL_RANK") == str(rank):
+        while True:
+            time.sleep(3600)
+
+
 def _log(env: DistEnv, line: str) -> None:
     if env.is_main:
         print(line, flush=True)
@@ -103,6 +112,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
     waiting = 0.0
     batches = iter(run.data.train_loader)
     for step in range(1, steps + 1):
+        _maybe_stall(env.rank)
         ready = time.perf_counter()
         images, target = next(batches)
         waiting += time.perf_counter() - ready

@@ -46,7 +46,7 @@ def ddptrain(*args, timeout=DEADLINE, env=None) -> subprocess.CompletedProcess:
     return _run([sys.executable, "-m", "ddptrain", *map(str, args)], timeout, env)
 
 
-def torchrun(nproc: int, *args, timeout=DEADLINE) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args, timeout=DEADLINE, env=None) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
@@ -57,7 +57,7 @@ def torchrun(nproc: int, *args, timeout=DEADLINE) -> subprocess.CompletedProcess
         "ddptrain",
         *map(str, args),
     ]
-    return _run(cmd, timeout)
+    return _run(cmd, timeout, env)
 
 
 def launch(nproc: int, *args, timeout=DEADLINE) -> subprocess.CompletedProcess:

@@ -41,6 +41,7 @@ def test_builtin_dataset_gets_its_own_image_size():
         ("dist_backend", "carrier-pigeon", "--dist-backend"),
         ("dist_url", "http://x", "--dist-url"),
         ("world_size", 0, "--world-size"),
+        ("dist_timeout", 0.5, "--dist-timeout"),
     ],
 )
 def test_bad_values_name_their_flag(field, value, flag):
