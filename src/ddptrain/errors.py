@@ -21,7 +21,7 @@ def one_line(err: BaseException) -> str:
     return text
 
 
-# How a lost peer shows up: torch's own DistError types, or RuntimeErrors from gloo's transport.
+# How a dead or stalled peer shows up: torch's DistError types, or RuntimeErrors from gloo.
 _PEER_LOST = (
     "Connection closed by peer",
     "Connection reset by peer",
