@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ddptrain.errors import UserError
+from ddptrain.errors import UserError, first_line
 
 FORMAT_VERSION = 1
 LATEST, BEST = "checkpoint.pt", "model_best.pt"
@@ -142,8 +142,9 @@ def restore(checkpoint: dict, model: nn.Module, optimizer, scheduler) -> TrainSt
         else:
             model.load_state_dict(checkpoint["model"], strict=True)
     except (RuntimeError, KeyError, ValueError) as err:
-        first = str(err).strip().splitlines()[0]
-        raise UserError(f"--resume: the checkpoint does not fit this model: {first}") from None
+        raise UserError(
+            f"--resume: the checkpoint does not fit this model: {first_line(err)}"
+        ) from None
     if scheduler is not None and "scheduler" in checkpoint:
         scheduler.load_state_dict(checkpoint["scheduler"])
     return TrainState(

@@ -54,10 +54,10 @@ class Config:
     nproc_per_node: int | None = None
     device: str = "auto"
     local_rank: int | None = None
-    # None: the resumed checkpoint's setting, else none / on for convolutional models / off.
     # Well below gloo's 30 minutes, so a stalled rank ends the others instead of the job; long
     # enough for rank 0 to download big weights or save a big checkpoint while others wait.
     dist_timeout: float = 600.0
+    # None: the resumed checkpoint's setting, else none / on for convolutional models / off.
     amp: str | None = None
     channels_last: bool | None = None
     compile: bool | None = None
@@ -77,8 +77,8 @@ class Config:
             "--batch-size": (self.batch_size, 1),
             "--print-freq": (self.print_freq, 1),
             "--image-size": (self.image_size, 16),
+            "--dist-timeout": (self.dist_timeout, 1),
         }
-        at_least["--dist-timeout"] = (self.dist_timeout, 1)
         for flag, (value, low) in at_least.items():
             if value < low:
                 raise UserError(f"{flag} must be at least {low}, got {value}")

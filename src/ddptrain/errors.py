@@ -8,6 +8,12 @@ class UserError(ValueError):
     """A mistake the user can fix: one line naming the path or flag, never a traceback."""
 
 
+def first_line(err: BaseException) -> str:
+    """The head of a library error's message (torch's can run to pages), or its type's name."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def one_line(err: BaseException) -> str:
     """The user-facing message of err.
 

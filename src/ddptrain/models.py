@@ -1,13 +1,11 @@
 """Models by torchvision name, optionally from the architecture's default weights."""
 
-import copy
-
 import torch
 import torchvision
 from torch import nn
 
 from ddptrain.distributed import DistEnv, rank0_first
-from ddptrain.errors import UserError
+from ddptrain.errors import UserError, first_line
 
 # These take their pretrained weights with ImageNet's input transform built in.
 TRANSFORM_INPUT = ("googlenet", "inception_v3")
@@ -22,16 +20,18 @@ def build(arch: str, num_classes: int, image_size: int, pretrained: bool) -> nn.
     """
     extra = {"transform_input": True} if pretrained and arch in TRANSFORM_INPUT else {}
     model = torchvision.models.get_model(arch, num_classes=num_classes, **extra)
-    as_built = copy.deepcopy(model.state_dict())
+    # A no-grad forward changes only buffers (BatchNorm statistics): keep those, not the weights.
+    as_built = [buffer.clone() for buffer in model.buffers()]
     try:
         with torch.no_grad():
             model(torch.zeros(2, 3, image_size, image_size))
     except (RuntimeError, AssertionError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(
-            f"--arch {arch} does not run on {image_size} px crops (--image-size): {first}"
+            f"--arch {arch} does not run on {image_size} px crops (--image-size): {first_line(err)}"
         ) from None
-    model.load_state_dict(as_built)
+    with torch.no_grad():
+        for buffer, saved in zip(model.buffers(), as_built, strict=True):
+            buffer.copy_(saved)
     return model
 
 

@@ -111,8 +111,8 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
     start = time.perf_counter()
     waiting = 0.0
     batches = iter(run.data.train_loader)
+    _maybe_stall(env.rank)
     for step in range(1, steps + 1):
-        _maybe_stall(env.rank)
         ready = time.perf_counter()
         images, target = next(batches)
         waiting += time.perf_counter() - ready

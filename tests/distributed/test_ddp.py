@@ -75,37 +75,35 @@ def test_exact_evaluation_on_an_uneven_val_set(tiny_data, world):
         assert result["loss"] == pytest.approx(single["loss"], rel=1e-6)
 
 
-def setup_failing_on_rank_1(env):
+def outcome(call) -> str:
+    """What a rank saw: "ok: <value>", or "<error type>: <message>"."""
+    try:
+        return f"ok: {call()}"
+    except (UserError, KeyError) as err:
+        return f"{type(err).__name__}: {err}"
+
+
+def fails_on_rank_1(env, error):
     def action():
         if env.rank == 1:
-            raise UserError("checkpoint missing on this node")
-        return "ok"
+            raise error
+        return "done"
 
-    try:
-        distributed.agree(env, action)
-    except UserError as err:
-        return str(err)
-    return "no error"
+    return action
+
+
+def setup_failing_on_rank_1(env):
+    return outcome(lambda: distributed.agree(env, fails_on_rank_1(env, UserError("no checkpoint"))))
 
 
 def test_a_setup_error_on_one_rank_is_raised_on_every_rank():
     first, second = run_ranks(setup_failing_on_rank_1, 2)
-    assert second == "checkpoint missing on this node"
-    assert "another rank failed" in first
+    assert second == "UserError: no checkpoint"
+    assert first.startswith("UserError: another rank failed")
 
 
 def bug_on_rank_1(env):
-    def action():
-        if env.rank == 1:
-            raise KeyError("a bug")
-
-    try:
-        distributed.agree(env, action)
-    except UserError as err:
-        return f"UserError: {err}"
-    except KeyError as err:
-        return f"KeyError: {err}"
-    return "no error"
+    return outcome(lambda: distributed.agree(env, fails_on_rank_1(env, KeyError("a bug"))))
 
 
 def test_any_failure_on_one_rank_ends_every_rank_and_keeps_its_own_type():
@@ -115,33 +113,24 @@ def test_any_failure_on_one_rank_ends_every_rank_and_keeps_its_own_type():
 
 
 def download_failing_on_rank_1(env):
-    def fetch():
-        if env.rank == 1:
-            raise UserError("no network on this node")
-        return "weights"
-
-    try:
-        return distributed.rank0_first(env, fetch)
-    except UserError as err:
-        return str(err)
+    fetch = fails_on_rank_1(env, UserError("no network on this node"))
+    return outcome(lambda: distributed.rank0_first(env, fetch))
 
 
 def test_a_download_failing_after_rank_0_ends_every_rank():
     first, second = run_ranks(download_failing_on_rank_1, 2)
-    assert "another rank failed" in first and second == "no network on this node"
+    assert first.startswith("UserError: another rank failed")
+    assert second == "UserError: no network on this node"
 
 
 def facts_differing_on_rank_1(env):
-    try:
-        distributed.check_same(env, {"train images": 100 + env.rank, "classes": {"a": 0}})
-    except UserError as err:
-        return str(err)
-    return "same"
+    facts = {"train images": 100 + env.rank, "classes": {"a": 0}}
+    return outcome(lambda: distributed.check_same(env, facts))
 
 
 def test_ranks_that_read_different_data_all_stop():
     first, second = run_ranks(facts_differing_on_rank_1, 2)
-    assert "another rank failed" in first
+    assert first.startswith("UserError: another rank failed")
     assert "rank 1 sees other train images than rank 0" in second
 
 
