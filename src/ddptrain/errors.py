@@ -27,11 +27,15 @@ def one_line(err: BaseException) -> str:
     return text
 
 
-# How a dead or stalled peer shows up: torch's DistError types, or RuntimeErrors from gloo.
+# How a dead or stalled peer shows up: torch's DistError types, or RuntimeErrors from gloo whose
+# wording depends on where the collective was ("Timed out waiting ...", "Application timeout caused
+# pair closure", "Connection closed by peer", ...). Matched in lower case.
 _PEER_LOST = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Timed out",
+    "closed by peer",
+    "reset by peer",
+    "timed out",
+    "timeout",
+    "pair closure",
     "gloo/transport",
 )
 
@@ -43,7 +47,8 @@ def _peer_lost(err: BaseException) -> str | None:
     if isinstance(err, dist.DistError):
         return type(err).__name__
     if isinstance(err, RuntimeError):
-        return next((s for s in _PEER_LOST if s in str(err)), None)
+        message = str(err).lower()
+        return next((s for s in _PEER_LOST if s in message), None)
     return None
 
 

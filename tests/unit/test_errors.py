@@ -32,3 +32,19 @@ def test_bugs_keep_their_traceback():
 
 def test_success_is_exit_0():
     assert report_errors(lambda: None) == 0
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Application timeout caused pair closure",
+        "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5000",
+        "Timed out waiting 10000ms for recv operation to complete",
+    ],
+)
+def test_a_lost_peer_is_one_line_and_exit_1(capsys, message):
+    def collective():
+        raise RuntimeError(message)
+
+    assert report_errors(collective) == 1
+    assert capsys.readouterr().err.startswith("ddptrain: error: lost contact with another rank")
