@@ -60,3 +60,10 @@ def test_resume_keeps_the_precision_of_the_run(tiny_data, tmp_path):
     assert (saved["amp"], saved["channels_last"], saved["compile"]) == ("bf16", False, False)
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["amp"] == "bf16" and state(tmp_path)["epoch"] == 2
+
+
+def test_loader_workers_do_not_change_the_result(tiny_data, tmp_path):
+    """Each sample's augmentation comes from its own seed, not from a worker's generator."""
+    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path / "j0")))
+    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path / "j2"), "-j", "2"))
+    assert_same_training(tmp_path / "j0", tmp_path / "j2")
