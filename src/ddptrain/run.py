@@ -75,18 +75,18 @@ def _train(config: Config, env: DistEnv) -> TrainState:
     log = MetricsLog(out_dir, enabled=env.is_main)
     with StopRequests(env) as stop:
         run = trainer.Run(
-            config,
-            env,
-            loaders,
-            model,
-            optimizer,
-            scheduler,
-            meta,
-            log,
-            seed,
-            precision,
-            resolved,
-            stop,
+            config=config,
+            env=env,
+            data=loaders,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            meta=meta,
+            log=log,
+            seed=seed,
+            precision=precision,
+            resolved_config=resolved,
+            stop=stop,
             saved_step=-1 if resume is None else state.global_step,
         )
         if config.evaluate:
