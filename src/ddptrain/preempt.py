@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.distributed import DistEnv, cpu_group
+from ddptrain.errors import Stopped
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -24,6 +25,10 @@ class StopRequests:
     def __init__(self, env: DistEnv):
         self.env = env
         self.received = 0  # the signal number this rank got, 0 for none
+        # Steps trained since the last checkpoint: set by the trainer. Without any, a signal
+        # ends this rank at once: there is nothing to save, and a rank stalled outside the step
+        # loop could not reach the next boundary anyway.
+        self.unsaved = False
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
         self._previous: dict = {}
 
@@ -40,6 +45,9 @@ class StopRequests:
 
     def _on_signal(self, signum: int, frame) -> None:
         self.received = self.received or signum
+        if not self.unsaved:
+            name = signal.Signals(signum).name
+            raise Stopped(signum, f"stopped by {name}: nothing trained since the last checkpoint")
 
     def agreed(self) -> int:
         """The signal every rank stops for now (the highest number any rank received up to the

@@ -87,7 +87,6 @@ def _train(config: Config, env: DistEnv) -> TrainState:
             precision=precision,
             resolved_config=resolved,
             stop=stop,
-            saved_step=-1 if resume is None else state.global_step,
         )
         if config.evaluate:
             return _evaluate_only(run, state)

@@ -82,7 +82,6 @@ class Run:
     precision: Precision
     resolved_config: dict  # config.json: the configuration plus what the run resolved
     stop: StopRequests
-    saved_step: int = -1  # global step of the newest checkpoint this run wrote or resumed
 
 
 def _log(env: DistEnv, line: str) -> None:
@@ -113,7 +112,7 @@ def save(run: Run, state: TrainState, is_best: bool = False) -> None:
         # Written with the checkpoint, not before: a run that fails early changes nothing.
         config_json = json.dumps(run.resolved_config, indent=2).encode()
         checkpoint.atomic_write(out_dir / "config.json", config_json)
-    run.saved_step = state.global_step
+    run.stop.unsaved = False
 
 
 def _backward_fault(model: nn.Module, step: int) -> None:
@@ -143,10 +142,10 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
     batches = iter(run.data.train_loader)
     faults.maybe_stall(env.rank)
     for step in range(first + 1, steps + 1):
+        faults.kill_point("between", state.global_step + 1)
         signum = run.stop.agreed()
         if signum:
             _stop(run, state, sums, carried, signum)
-        faults.kill_point("between", state.global_step + 1)
         _reseed(run.seed, epoch, step, env.rank)
         ready = time.perf_counter()
         images, target = next(batches)
@@ -158,6 +157,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
         sums.add(loss, output, target)
         state.global_step += 1
         state.epoch_step = step
+        run.stop.unsaved = True
         if step % config.print_freq == 0 or step == steps:
             now = time.perf_counter()
             local = sums.summary()  # this rank's running means: a host sync, at print steps only
@@ -184,7 +184,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
 
 def _stop(run: Run, state: TrainState, sums: Sums, carried: torch.Tensor, signum: int) -> None:
     """Every rank agreed to stop: checkpoint where we are (unless just saved), then exit."""
-    if state.global_step != run.saved_step:
+    if run.stop.unsaved:
         state.train_sums = sums.totals(run.env) + carried
         save(run, state)
     raise Stopped(

@@ -10,6 +10,7 @@ from ddptrain.preempt import StopRequests
 
 def _boundary_of_stop(env, signalled_rank, signal_at):
     with StopRequests(env) as stop:
+        stop.unsaved = True  # as after a step: a signal waits for the agreement
         for boundary in range(20):
             if boundary == signal_at and env.rank == signalled_rank:
                 os.kill(os.getpid(), signal.SIGTERM)

@@ -112,9 +112,9 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_then_resume_ends_bitwise_equ
     tiny_data, tmp_path, uninterrupted
 ):
     out = tmp_path / "run"
-    # SIGTERM reaches rank 1 only, as step 1 starts; the agreement started then says go on,
-    # the one read before step 3 says stop: every rank saves after step 2 and exits.
-    env = {"DDPTRAIN_TEST_KILL": "between:1:1", "DDPTRAIN_TEST_SIGNAL": "SIGTERM"}
+    # SIGTERM reaches rank 1 only, before step 2; the agreement read then started before the
+    # signal, the one read before step 3 says stop: every rank saves after step 2 and exits.
+    env = {"DDPTRAIN_TEST_KILL": "between:1:2", "DDPTRAIN_TEST_SIGNAL": "SIGTERM"}
     stopped = torchrun(2, *args(tiny_data, out, checkpoint_every=0), env=env)
     assert stopped.returncode != 0
     assert "ddptrain: stopped by SIGTERM after global step 2" in stopped.stderr
@@ -127,5 +127,15 @@ def test_a_stop_signal_exits_with_128_plus_its_number(tiny_data, tmp_path):
     env = {"DDPTRAIN_TEST_KILL": "between:0:2", "DDPTRAIN_TEST_SIGNAL": "SIGUSR1"}
     result = ddptrain(*args(tiny_data, tmp_path, checkpoint_every=0), env=env)
     assert result.returncode == 128 + signal.SIGUSR1, result.stderr
-    assert training_state(tmp_path)["epoch_step"] == 2  # signalled as step 2 began
+    assert training_state(tmp_path)["epoch_step"] == 1  # one process stops at once, before step 2
     assert "continue with --resume auto" in result.stderr
+
+
+def test_a_stop_signal_with_nothing_to_save_exits_at_once(tiny_data, tmp_path):
+    ok(ddptrain(*args(tiny_data, tmp_path, epochs=1)))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    env = {"DDPTRAIN_TEST_KILL": "between:0:4", "DDPTRAIN_TEST_SIGNAL": "SIGTERM"}
+    result = ddptrain(*args(tiny_data, tmp_path), env=env)  # signalled before its first step
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert "nothing trained since the last checkpoint" in result.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
