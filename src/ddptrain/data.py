@@ -4,8 +4,13 @@ Data order is world-size invariant: one permutation per epoch, seeded by seed an
 into global batches, each split in equal slices across ranks. Each sample also carries its own
 augmentation seed, so sample i of epoch e is augmented the same on any rank, with any number of
 loader workers.
+
+Loaders yield uint8 images: workers decode and crop, and the batch is converted to float and
+normalised on the device (`Precision.inputs`), which moves a quarter of the bytes and takes
+the per-pixel float work off the loader's cores.
 """
 
+import io
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +21,9 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torchvision import datasets
+from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
 
 from ddptrain import faults
 from ddptrain.config import Config
@@ -27,27 +34,45 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DUMMY_TRAIN, DUMMY_VAL, DUMMY_CLASSES = 1_281_167, 50_000, 1000  # ImageNet's sizes
 
 
-def _to_normalized_tensor() -> list:
-    return [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)]
-
-
 def train_transform(size: int) -> v2.Compose:
-    return v2.Compose(
-        [v2.RandomResizedCrop(size), v2.RandomHorizontalFlip(), *_to_normalized_tensor()]
-    )
+    """uint8 (3, H, W) -> uint8 (3, size, size): a random crop and flip."""
+    return v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()])
 
 
 def val_transform(size: int) -> v2.Compose:
-    return v2.Compose(
-        [v2.Resize(round(size / 0.875)), v2.CenterCrop(size), *_to_normalized_tensor()]
-    )
+    """uint8 (3, H, W) -> uint8 (3, size, size): the centre at ImageNet's 0.875 crop ratio."""
+    return v2.Compose([v2.Resize(round(size / 0.875), antialias=True), v2.CenterCrop(size)])
 
 
-def load_rgb(path: str) -> Image.Image:
-    """PIL loader that names the file when it cannot be decoded."""
+def load_rgb(path: str) -> torch.Tensor:
+    """An image file as a uint8 RGB tensor (3, H, W); names the file when it cannot be decoded.
+
+    torchvision.io decodes JPEG, PNG, WebP and GIF straight into a tensor (the same libjpeg-turbo
+    pixels as PIL, without PIL's image object and conversions); other formats (BMP, TIFF, PPM)
+    and files it refuses go through PIL, whose error names what is wrong.
+    """
     try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
+        with open(path, "rb") as f:
+            encoded = f.read()
+    except OSError as err:
+        raise UserError(f"cannot read image {path}: {err.strerror}") from None
+    try:
+        image = decode_image(
+            torch.frombuffer(bytearray(encoded), dtype=torch.uint8), mode=ImageReadMode.RGB
+        )
+    except (RuntimeError, ValueError):  # a format torchvision does not read, or a bad file
+        return _decode_with_pil(path, encoded)
+    if image.ndim == 4:  # an animated GIF: its first frame, as PIL gives
+        image = image[0]
+    if image.dtype != torch.uint8:  # 16-bit PNG
+        image = F.to_dtype(image, torch.uint8, scale=True)
+    return image
+
+
+def _decode_with_pil(path: str, encoded: bytes) -> torch.Tensor:
+    try:
+        with Image.open(io.BytesIO(encoded)) as image:
+            return F.pil_to_tensor(image.convert("RGB"))
     except (OSError, SyntaxError, ValueError) as err:
         raise UserError(f"cannot read image {path}: {err}") from None
 
@@ -161,9 +186,16 @@ def _datasets(config: Config, data_root: Path | None):
     size = config.image_size
     if config.dummy:
         shape = (3, size, size)
-        train = datasets.FakeData(DUMMY_TRAIN, shape, DUMMY_CLASSES, train_transform(size))
+        # FakeData makes PIL images: as tensors, they take the same path as decoded files.
+        train = datasets.FakeData(
+            DUMMY_TRAIN, shape, DUMMY_CLASSES, v2.Compose([v2.PILToTensor(), train_transform(size)])
+        )
         val = datasets.FakeData(
-            DUMMY_VAL, shape, DUMMY_CLASSES, val_transform(size), random_offset=1
+            DUMMY_VAL,
+            shape,
+            DUMMY_CLASSES,
+            v2.Compose([v2.PILToTensor(), val_transform(size)]),
+            random_offset=1,
         )
         return train, val, {str(i): i for i in range(DUMMY_CLASSES)}
     val = _image_folder(data_root / "val", val_transform(size))

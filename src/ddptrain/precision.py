@@ -5,12 +5,14 @@ on by default for convolutional models: the layout their fast kernels want.
 """
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ddptrain.config import Config
+from ddptrain.data import MEAN, STD
 from ddptrain.errors import UserError
 
 DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -29,8 +31,14 @@ class Precision:
         return torch.autocast(self.device_type, dtype=dtype, enabled=dtype is not None)
 
     def inputs(self, images: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A loader batch on the device, in the run's layout; uint8 images become normalised
+        float32 there, in one pass. Float batches are taken as already normalised."""
         layout = torch.channels_last if self.channels_last else torch.contiguous_format
-        return images.to(device, non_blocking=True, memory_format=layout)
+        images = images.to(device, non_blocking=True, memory_format=layout)
+        if images.dtype != torch.uint8:
+            return images
+        scale, shift = _normalization(images.device)
+        return torch.addcmul(shift, images, scale)  # (x / 255 - mean) / std, keeps the layout
 
     def place(self, model: nn.Module, device: torch.device) -> nn.Module:
         layout = torch.channels_last if self.channels_last else torch.preserve_format
@@ -47,6 +55,16 @@ class Precision:
 
     def settings(self) -> dict:
         return {"amp": self.amp, "channels_last": self.channels_last, "compile": self.compile}
+
+
+@functools.cache
+def _normalization(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel scale and shift on the device, made once: a fresh host tensor in every step
+    would be a host-to-device copy per step."""
+    mean = torch.tensor(MEAN, dtype=torch.float64).view(1, 3, 1, 1)
+    std = torch.tensor(STD, dtype=torch.float64).view(1, 3, 1, 1)
+    scale, shift = 1 / (255 * std), -mean / std
+    return scale.float().to(device), shift.float().to(device)
 
 
 def _convolutional(model: nn.Module) -> bool:

@@ -2,7 +2,6 @@ import shutil
 
 import pytest
 import torch
-from PIL import Image
 
 from ddptrain import data
 from ddptrain.config import Config
@@ -28,13 +27,13 @@ def test_builds_loaders_with_classes_from_the_data(tiny_data):
     d = build(tiny_data)
     assert d.class_to_idx == {"arrow": 0, "bar": 1, "circle": 2} and d.num_val == 15
     images, target = next(iter(d.train_loader))
-    assert images.shape == (4, 3, 16, 16) and images.dtype == torch.float32
+    assert images.shape == (4, 3, 16, 16) and images.dtype == torch.uint8
     assert target.dtype == torch.int64
     assert sum(len(t) for _, t in d.val_loader) == 15
 
 
 def test_val_preset_resizes_then_centre_crops():
-    image = Image.new("RGB", (40, 30))
+    image = torch.zeros(3, 30, 40, dtype=torch.uint8)
     assert data.val_transform(32)(image).shape == (3, 32, 32)
     resize = data.val_transform(32).transforms[0]
     assert resize.size == [37]  # round(32 / 0.875)
