@@ -6,6 +6,7 @@ from torch import nn
 from ddptrain import data, distributed, models, parallelize, trainer
 from ddptrain.config import Config
 from ddptrain.errors import UserError
+from ddptrain.precision import Precision
 
 
 def flat_params(model):
@@ -40,6 +41,7 @@ def train_one_epoch(env, root):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     loaders.train_sampler.set_epoch(0)
     for images, target in loaders.train_loader:
+        images = Precision().inputs(images, env.device)  # uint8 from the loader, normalised here
         trainer.train_step(model, nn.CrossEntropyLoss(), optimizer, images, target)
     return flat_params(model)
 
