@@ -41,7 +41,7 @@ def train_one_epoch(env, root):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     loaders.train_sampler.set_epoch(0)
     for images, target in loaders.train_loader:
-        images = Precision().inputs(images, env.device)  # uint8 from the loader, normalised here
+        images = Precision().inputs(images, env.device)  # uint8 batches, normalised as in training
         trainer.train_step(model, nn.CrossEntropyLoss(), optimizer, images, target)
     return flat_params(model)
 

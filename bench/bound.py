@@ -1,0 +1,76 @@
+"""ddptrain's compute bound: its own training loop (trainer.train_epoch, with the CLI's thread
+rule, precision and model) fed from batches preloaded in memory instead of the loader.
+
+    python -m bench.bound DATA -b 32 -j 2 --amp bf16 --epochs 2
+
+prints a JSON line: samples/s of each epoch.
+"""
+
+import argparse
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+from ddptrain import data, distributed, models, optim, trainer
+from ddptrain.checkpoint import TrainState
+from ddptrain.config import Config
+from ddptrain.precision import resolve_precision
+
+
+class Preloaded:
+    """The sampler's part train_epoch uses, over a list of preloaded batches: `steps[e]` of
+    them in epoch e."""
+
+    def __init__(self, steps: list[int]):
+        self.steps_by_epoch, self.steps = steps, steps[0]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.steps = self.steps_by_epoch[epoch]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("data")
+    parser.add_argument("-a", "--arch", default="resnet18")
+    parser.add_argument("-b", "--batch-size", type=int, default=32)
+    parser.add_argument("-j", "--workers", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--amp", default="none")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+
+    config = Config(
+        data=args.data,
+        arch=args.arch,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        epochs=args.epochs,
+        image_size=args.image_size,
+        amp=args.amp,
+        lr=args.lr,
+        device=args.device,
+        print_freq=10**9,
+    )
+    env = distributed.init(config)  # the thread count the CLI would choose, workers counted
+    # The batches one epoch of the real loader yields, decoded up front.
+    loaders = data.build(dataclasses.replace(config, workers=0), env, Path(args.data), seed=0)
+    steps = loaders.train_sampler.steps
+    batches = list(itertools.islice(loaders.train_loader, steps))
+    model = models.build(config.arch, loaders.num_classes, config.image_size, pretrained=False)
+    precision = resolve_precision(config, None, model, env.device)
+    model = precision.place(model, env.device)
+    optimizer, scheduler = optim.build(model, config)
+    feed = data.Data(batches, Preloaded([steps] * args.epochs), [], 0, loaders.class_to_idx)
+    run = trainer.Run(config, env, feed, model, optimizer, scheduler, {}, None, 0, precision, {})
+    state = TrainState()
+    rates = [trainer.train_epoch(run, e, state)["samples_per_sec"] for e in range(args.epochs)]
+    print(json.dumps({"samples_per_sec": rates, "threads": torch.get_num_threads()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""What every benchmark shares: the generated JPEG set, repeats, subprocesses, the table and
+the results files."""
+
+import json
+import multiprocessing
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+REPO = Path(__file__).resolve().parent.parent
+# Generated data and --quick results (a test points it elsewhere).
+CACHE = Path(os.environ.get("DDPTRAIN_BENCH_CACHE", REPO / "bench" / ".data"))
+RESULTS = REPO / "bench" / "results"
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The sizes of a full run, or of a --quick smoke check."""
+
+    classes: int = 4
+    train_per_class: int = 128
+    val_per_class: int = 16
+    width: int = 500
+    height: int = 375
+    image_size: int = 224
+    batch: int = 32
+    repeats: int = 3
+    tries: int = 4  # per run, while other work disturbs it
+
+
+FULL = Scale()
+QUICK = Scale(
+    train_per_class=8,
+    val_per_class=2,
+    width=160,
+    height=120,
+    image_size=64,
+    batch=8,
+    repeats=1,
+    tries=1,
+)
+
+
+def scale(quick: bool) -> Scale:
+    return QUICK if quick else FULL
+
+
+def photo(rng: np.random.Generator, width: int, height: int) -> Image.Image:
+    """A photo-like image: smooth colour fields at three scales, a few hard-edged shapes and
+    sensor-like noise; as a quality-90 JPEG about as dense as ImageNet's (~90 KB at 500x375)."""
+    pixels = np.full((height, width, 3), 128, np.float32)
+    for cells, amplitude in ((3, 90), (12, 40), (48, 18)):
+        small = rng.integers(0, 256, (cells * 3 // 4 + 1, cells + 1, 3), dtype=np.uint8)
+        field = Image.fromarray(small).resize((width, height), Image.BICUBIC)
+        pixels += (np.asarray(field, np.float32) - 128) * amplitude / 128
+    image = Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    for _ in range(rng.integers(4, 10)):
+        x, y = rng.integers(0, width), rng.integers(0, height)
+        box = (
+            x,
+            y,
+            x + rng.integers(width // 25, width // 2),
+            y + rng.integers(height // 20, height // 2),
+        )
+        fill = tuple(int(c) for c in rng.integers(0, 256, 3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=fill)
+    noisy = np.asarray(image, np.float32) + rng.normal(0, 16, (height, width, 3))
+    return Image.fromarray(noisy.clip(0, 255).astype(np.uint8))
+
+
+def _write_photo(job: tuple[Path, tuple[int, ...], int, int]) -> None:
+    path, seed, width, height = job
+    photo(np.random.default_rng(seed), width, height).save(path, quality=90)
+
+
+def jpeg_folder(s: Scale, processes: int = 1) -> Path:
+    """The ImageFolder tree for scale s, generated once into bench/.data (train/ and val/).
+    Each image has its own seed, so the tree is the same with any number of processes."""
+    root = CACHE / f"jpeg-{s.classes}x{s.train_per_class}-{s.width}x{s.height}"
+    if (root / "done").exists():
+        return root
+    jobs = []
+    for split, count in (("train", s.train_per_class), ("val", s.val_per_class)):
+        for c in range(s.classes):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            seeds = ((len(split), c, i) for i in range(count))
+            jobs += [
+                (folder / f"{i:04d}.jpg", seed, s.width, s.height) for i, seed in enumerate(seeds)
+            ]
+    if processes > 1:
+        with multiprocessing.Pool(processes) as pool:
+            pool.map(_write_photo, jobs, chunksize=16)
+    else:
+        for job in jobs:
+            _write_photo(job)
+    (root / "done").touch()
+    return root
+
+
+def subprocess_env(**extra: str) -> dict:
+    """This checkout's ddptrain first on the path; launcher warnings off."""
+    path = os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
+    # Each contender picks its own threads (torch's default, ddptrain's rule) unless extra says.
+    env.pop("OMP_NUM_THREADS", None)
+    return {**env, **extra}
+
+
+def run(cmd: list[str], env: dict, timeout: float = 900) -> str:
+    """Runs cmd from the repo root; returns its stdout, or raises with the tail of its stderr."""
+    done = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def run_json(cmd: list[str], env: dict, timeout: float = 900) -> dict:
+    """Runs cmd and returns the JSON object on the last line of its output."""
+    return json.loads(run(cmd, env, timeout).strip().splitlines()[-1])
+
+
+def _busy_seconds() -> float:
+    """CPU seconds all processes have spent busy since boot (Linux; 0 elsewhere)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return 0.0
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    """CPU seconds of this process and of its finished children (and theirs)."""
+    me, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+def wait_for_quiet(limit: float = 300, busy: float = 0.1) -> bool:
+    """Waits (up to `limit` s) until other work leaves the cores idle for a second."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        before = _busy_seconds()
+        time.sleep(1.0)
+        if _busy_seconds() - before < busy:
+            return True
+    return False
+
+
+def undisturbed(measure, tries: int = 4, limit: float = 0.15) -> tuple[float, float]:
+    """measure() on a machine other work leaves alone: returns (its value, the cores other
+    processes kept busy meanwhile), retrying while that exceeds `limit` (a shared machine).
+    With one try (--quick), it neither waits nor retries."""
+    for _ in range(tries):
+        if tries > 1:
+            wait_for_quiet()
+        busy, own, start = _busy_seconds(), _own_seconds(), time.perf_counter()
+        value = measure()
+        wall = time.perf_counter() - start
+        foreign = max(0.0, (_busy_seconds() - busy) - (_own_seconds() - own)) / wall
+        if foreign <= limit:
+            break
+        print(f"  (other work took {foreign:.2f} cores meanwhile: measuring again)", flush=True)
+    return value, round(foreign, 3)
+
+
+def compare(contenders: dict, s: Scale, unit: str) -> list[dict]:
+    """Each contender s.repeats times, alternating, each run undisturbed; rows with medians."""
+    runs = {name: [] for name in contenders}
+    foreign = {name: [] for name in contenders}
+    for repeat in range(s.repeats):
+        for name, measure in contenders.items():
+            value, cores = undisturbed(measure, tries=s.tries)
+            runs[name].append(round(value, 2))
+            foreign[name].append(cores)
+            print(f"  run {repeat + 1}/{s.repeats}: {name}: {value:.1f} {unit}", flush=True)
+    return [measured(name, runs[name], unit, foreign[name]) for name in contenders]
+
+
+def python(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def ratio_row(name: str, value: float, target: float | None) -> dict:
+    """A ratio and whether it meets its target (None: shown for reference only)."""
+    met = None if target is None else value >= target
+    return {"name": name, "ratio": round(value, 3), "target": target, "met": met}
+
+
+def print_table(title: str, rows: list[dict], ratios: list[dict]) -> None:
+    print(f"\n{title}")
+    width = max(len(r["name"]) for r in rows + ratios)
+    for r in rows:
+        runs = ", ".join(f"{v:.1f}" for v in r["runs"])
+        print(f"  {r['name']:<{width}}  {r['median']:9.1f} {r['unit']}  (runs: {runs})")
+    for r in ratios:
+        verdict = "met" if r["met"] else "NOT met"
+        note = "reference" if r["target"] is None else f"target >= {r['target']}x: {verdict}"
+        print(f"  {r['name']:<{width}}  {r['ratio']:9.2f}x  ({note})")
+
+
+def measured(name: str, runs: list[float], unit: str, foreign: list[float]) -> dict:
+    """A contender's runs and median; `foreign`: cores other processes used during each run."""
+    return {
+        "name": name,
+        "median": round(median(runs), 2),
+        "runs": runs,
+        "unit": unit,
+        "foreign_cores": foreign,
+    }
+
+
+def machine() -> dict:
+    """What the figures were measured on."""
+    try:
+        info = dict(
+            line.split(":", 1)
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if ":" in line
+        )
+    except OSError:
+        info = {}
+    info = {k.strip(): v.strip() for k, v in info.items()}  # the last core's entries
+    flags = info.get("flags", "").split()
+    return {
+        "cpu": info.get("model name", platform.processor()),
+        "bf16_isa": [f for f in ("amx_bf16", "avx512_bf16") if f in flags],
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def write_results(name: str, quick: bool, settings: dict, rows: list, ratios: list) -> Path:
+    """bench/results/NAME.json (a --quick run writes under bench/.data, never over results)."""
+    folder = CACHE / "results-quick" if quick else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "bench": name,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": machine(),
+        "settings": settings,
+        "measured": rows,
+        "ratios": ratios,
+    }
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
