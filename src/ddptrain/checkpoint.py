@@ -1,14 +1,24 @@
-"""Checkpoints: atomic writes by the main rank, strict loading, resume.
+"""Checkpoints: atomic writes by the main rank, retention, integrity checks, resume.
 
 Format (DESIGN.md): a dict loadable with torch.load(weights_only=True) holding `model` (plain
 state dict, no wrapper prefixes, CPU tensors), `arch`, `num_classes`, `class_to_idx`, `epoch`
 (epochs completed), `optimizer` (keyed by parameter name), `scheduler`, `best_acc1`, `config`,
-`format_version`, and `global_step`.
+`format_version`; and to continue mid-epoch exactly: `global_step`, `epoch_step` (steps done in
+the epoch after `epoch`), `train_sums` (that epoch's running train sums over all ranks) and
+`data_seed`. Model-side randomness needs no saved state: it is derived from the seed, epoch, step
+and rank at every step, as augmentation is per sample.
+
+Files: every save writes `checkpoint-<global step>.pt`, then points `checkpoint.pt` at it and
+deletes the oldest beyond --keep-last. `model_best.pt` is a separate copy.
 """
 
 import io
 import os
+import re
+import sys
 import tempfile
+import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,10 +26,12 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ddptrain import faults
 from ddptrain.errors import UserError, first_line
 
 FORMAT_VERSION = 1
 LATEST, BEST = "checkpoint.pt", "model_best.pt"
+NUMBERED = re.compile(r"checkpoint-(\d+)\.pt")
 
 
 @dataclass
@@ -27,6 +39,8 @@ class TrainState:
     epoch: int = 0  # epochs completed
     global_step: int = 0
     best_acc1: float = 0.0
+    epoch_step: int = 0  # steps done in the epoch after `epoch`
+    train_sums: torch.Tensor | None = None  # that epoch's running train sums, all ranks
 
 
 def _umask() -> int:
@@ -35,7 +49,7 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes, before_rename: Callable[[], None] | None = None) -> None:
     """Readers see the old file or the new one, never a torn one, even after a crash."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -44,15 +58,35 @@ def atomic_write(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename()
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)  # make the rename itself durable
+        os.fsync(dir_fd)  # make renames and deletions in it durable
     finally:
         os.close(dir_fd)
+
+
+def _link_latest(numbered: Path, latest: Path) -> None:
+    """Points `latest` at `numbered` atomically: a hard link renamed into place, so the newest
+    checkpoint is not written twice; a copy where the file system has no hard links."""
+    tmp = latest.with_name(f".{latest.name}.{os.getpid()}.link")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(numbered, tmp)
+    except OSError:
+        atomic_write(latest, numbered.read_bytes())
+        return
+    os.replace(tmp, latest)
+    _fsync_dir(latest.parent)
 
 
 def _to_cpu(tree):
@@ -77,40 +111,86 @@ def payload(model: nn.Module, optimizer, scheduler, state: TrainState, meta: dic
         "epoch": state.epoch,
         "global_step": state.global_step,
         "best_acc1": state.best_acc1,
+        "epoch_step": state.epoch_step,
+        "train_sums": state.train_sums,
         **meta,
     }
 
 
-def save(out_dir: Path, checkpoint: dict, is_best: bool) -> None:
-    """Writes checkpoint.pt, and model_best.pt when is_best. Call on the main rank only."""
+def numbered(out_dir: Path) -> list[Path]:
+    """The numbered checkpoints in out_dir, newest (highest global step) first."""
+    found = [p for p in out_dir.glob("checkpoint-*.pt") if NUMBERED.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(NUMBERED.fullmatch(p.name)[1]), reverse=True)
+
+
+def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None:
+    """Commits checkpoint-<step>.pt, points checkpoint.pt at it, writes model_best.pt when
+    is_best, then deletes numbered checkpoints beyond the newest keep_last. A crash at any point
+    leaves the previous checkpoint in place. Call on the main rank only."""
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
     data = buffer.getvalue()
-    atomic_write(out_dir / LATEST, data)
+    step = checkpoint["global_step"]
+    path = out_dir / f"checkpoint-{step:09d}.pt"
+    atomic_write(path, data, before_rename=lambda: faults.kill_point("before_rename", step))
+    faults.kill_point("after_rename", step)
+    _link_latest(path, out_dir / LATEST)
     if is_best:
         atomic_write(out_dir / BEST, data)
+    for old in numbered(out_dir)[keep_last:]:
+        old.unlink(missing_ok=True)
+
+
+def remove_stale_temp_files(out_dir: Path) -> None:
+    """Temp files of writes that a crash interrupted before their rename: never checkpoints."""
+    for tmp in out_dir.glob(".checkpoint*"):
+        tmp.unlink(missing_ok=True)
 
 
 def resolve(resume: str | None, out_dir: Path) -> Path | None:
-    """The checkpoint --resume names: `auto` is out-dir's latest when it exists."""
+    """The checkpoint --resume names. `auto`: the newest one in out_dir that is intact (a damaged
+    one is skipped with a warning naming it), or None when there is none."""
     if resume is None:
         return None
-    if resume == "auto":
-        latest = out_dir / LATEST
-        return latest if latest.is_file() else None
-    path = Path(resume)
-    if not path.is_file():
-        raise UserError(f"--resume: no checkpoint at {path}")
-    return path
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_file():
+            raise UserError(f"--resume: no checkpoint at {path}")
+        return path
+    tried: list[Path] = []
+    latest = out_dir / LATEST
+    for path in [*numbered(out_dir), *([latest] if latest.is_file() else [])]:
+        if any(path.samefile(t) for t in tried):  # checkpoint.pt is a link to a numbered one
+            continue
+        tried.append(path)
+        try:
+            load(path, mmap=True)
+            return path
+        except UserError as err:
+            print(f"warning: --resume auto: skipping {err}", file=sys.stderr, flush=True)
+    return None
 
 
-def load(path: Path) -> dict:
+def _verify(path: Path) -> None:
+    """torch.load does not check the CRCs torch.save writes: a flipped bit in tensor data would
+    load silently. zipfile checks them, at memory speed."""
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError) as err:
+        raise UserError(f"{path} is damaged or not a checkpoint ({err})") from None
+    if bad is not None:
+        raise UserError(f"{path} is damaged: checksum mismatch in {bad}")
+
+
+def load(path: Path, mmap: bool = False) -> dict:
+    _verify(path)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # a torn, foreign or unsafe file: all mean "not a usable checkpoint"
-        raise UserError(f"--resume: {path} is not a readable ddptrain checkpoint ({err})") from None
+        raise UserError(f"{path} is not a readable ddptrain checkpoint ({err})") from None
     if not isinstance(checkpoint, dict) or "model" not in checkpoint:
-        raise UserError(f"--resume: {path} is not a ddptrain checkpoint (no 'model' entry)")
+        raise UserError(f"{path} is not a ddptrain checkpoint (no 'model' entry)")
     return checkpoint
 
 
@@ -151,4 +231,6 @@ def restore(checkpoint: dict, model: nn.Module, optimizer, scheduler) -> TrainSt
         epoch=int(checkpoint.get("epoch", 0)),
         global_step=int(checkpoint.get("global_step", 0)),
         best_acc1=float(checkpoint.get("best_acc1", 0.0)),
+        epoch_step=int(checkpoint.get("epoch_step", 0)),
+        train_sums=checkpoint.get("train_sums"),
     )

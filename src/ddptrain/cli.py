@@ -117,6 +117,20 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long a rank waits for the others in a collective before giving up",
     )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d.checkpoint_every,
+        metavar="N",
+        help="also checkpoint every N optimizer steps, mid-epoch (0: at epoch ends only)",
+    )
+    p.add_argument(
+        "--keep-last",
+        type=int,
+        default=d.keep_last,
+        metavar="K",
+        help="numbered checkpoints to keep in --out-dir (model_best.pt is kept apart)",
+    )
     # Not set: a resumed run keeps its checkpoint's setting.
     p.add_argument("--amp", help="autocast: none, bf16 (CPU and GPU), fp16 (CUDA, GradScaler)")
     p.add_argument(

@@ -57,6 +57,8 @@ class Config:
     # Well below gloo's 30 minutes, so a stalled rank ends the others instead of the job; long
     # enough for rank 0 to download big weights or save a big checkpoint while others wait.
     dist_timeout: float = 600.0
+    checkpoint_every: int = 0  # optimizer steps between mid-epoch checkpoints; 0: epoch ends only
+    keep_last: int = 2  # numbered checkpoints kept, so a damaged newest one has a predecessor
     # None: the resumed checkpoint's setting, else none / on for convolutional models / off.
     amp: str | None = None
     channels_last: bool | None = None
@@ -78,6 +80,8 @@ class Config:
             "--print-freq": (self.print_freq, 1),
             "--image-size": (self.image_size, 16),
             "--dist-timeout": (self.dist_timeout, 1),
+            "--checkpoint-every": (self.checkpoint_every, 0),
+            "--keep-last": (self.keep_last, 1),
         }
         for flag, (value, low) in at_least.items():
             if value < low:

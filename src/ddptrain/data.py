@@ -25,6 +25,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
+from ddptrain import faults
 from ddptrain.config import Config
 from ddptrain.distributed import DistEnv
 from ddptrain.errors import UserError
@@ -133,30 +134,33 @@ class GlobalBatchSampler(Sampler):
     """This rank's share of each global batch, as (index, augmentation seed) keys.
 
     The last partial global batch is dropped, so every step sees exactly `global_batch` samples
-    and the same samples at any world size.
+    and the same samples at any world size. `set_epoch(epoch, start_step)` resumes an epoch
+    after its first `start_step` global batches, at any world size.
     """
 
     def __init__(self, num_samples: int, global_batch: int, rank: int, world_size: int, seed: int):
         assert global_batch % world_size == 0
         self.num_samples, self.global_batch = num_samples, global_batch
         self.rank, self.per_rank = rank, global_batch // world_size
-        self.seed, self.epoch = seed, 0
+        self.seed, self.epoch, self.start_step = seed, 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        assert 0 <= start_step <= self.steps
+        self.epoch, self.start_step = epoch, start_step
 
     @property
     def steps(self) -> int:
         return self.num_samples // self.global_batch
 
     def __len__(self) -> int:
-        return self.steps * self.per_rank
+        return (self.steps - self.start_step) * self.per_rank
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
         order = torch.randperm(self.num_samples, generator=generator)
         sample_seeds = torch.randint(0, 2**62, (self.num_samples,), generator=generator)
-        for step in range(self.steps):
+        for step in range(self.start_step, self.steps):
+            faults.kill_point("data", self.epoch * self.steps + step + 1)
             start = step * self.global_batch + self.rank * self.per_rank
             for index in order[start : start + self.per_rank].tolist():
                 yield index, int(sample_seeds[index])

@@ -147,6 +147,33 @@ def _share_cpu_threads(local_world_size: int, workers: int) -> None:
         torch.set_num_threads(cpu_threads(cores or 1, local_world_size, workers))
 
 
+def _restart_safe_store(url: str, timeout: datetime.timedelta, rank: int) -> dist.Store | None:
+    """Under torchrun, a store the workers of one restart attempt share with no other attempt.
+
+    torchrun shares its rendezvous store with the workers and keeps it across restarts
+    (pytorch/pytorch#135712), so a restarted process group can read the dead attempt's peer
+    addresses and fail to connect, or hang. On one node every worker has the same restart count:
+    prefixing keys with it separates the attempts. Across nodes the counts can differ; there
+    the README says to run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store
+    per attempt), and this returns None.
+    """
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if url != "env://" or not shared:
+        return None
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0" and rank == 0:
+            print(
+                "warning: torchrun --max-restarts across nodes can hang on restart unless "
+                "torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see the README)",
+                flush=True,
+            )
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"ddptrain/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
 def _backend(config: Config, device: torch.device) -> str:
     backend = config.dist_backend or dist.get_default_backend_for_device(device.type)
     if backend == "nccl" and device.type != "cuda":
@@ -167,17 +194,28 @@ def init(config: Config, slot: SpawnSlot | None = None) -> DistEnv:
     _share_cpu_threads(local_world, config.workers)
     if world > 1:
         backend = _backend(config, device)
-        dist.init_process_group(
-            backend,
-            init_method=url,
-            world_size=world,
-            rank=rank,
-            timeout=datetime.timedelta(seconds=config.dist_timeout),
-        )
+        timeout = datetime.timedelta(seconds=config.dist_timeout)
+        store = _restart_safe_store(url, timeout, rank)
+        rendezvous = {"init_method": url} if store is None else {"store": store}
+        dist.init_process_group(backend, world_size=world, rank=rank, timeout=timeout, **rendezvous)
+        if backend != "gloo":
+            global _cpu_group
+            _cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     return DistEnv(rank, world, local_rank, local_world, device)
 
 
+# For small CPU-side agreements (stop requests) when the default group is a device backend:
+# reading a flag reduced there would wait for the device. None: the default group is gloo.
+_cpu_group: dist.ProcessGroup | None = None
+
+
+def cpu_group() -> dist.ProcessGroup | None:
+    return _cpu_group
+
+
 def teardown() -> None:
+    global _cpu_group
+    _cpu_group = None
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -8,6 +8,18 @@ class UserError(ValueError):
     """A mistake the user can fix: one line naming the path or flag, never a traceback."""
 
 
+class Stopped(Exception):
+    """Every rank stopped on a signal (preemption) after saving a checkpoint to resume from."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's code for "ended by this signal"
+
+
 def first_line(err: BaseException) -> str:
     """The head of a library error's message (torch's can run to pages), or its type's name."""
     text = str(err).strip()
@@ -55,14 +67,18 @@ def _peer_lost(err: BaseException) -> str | None:
 def report_errors(action: Callable[[], object]) -> int:
     """Run action and turn the failures a user can act on into one line and an exit code.
 
-    User mistakes exit 2 (like argparse); a lost peer exits 1. Anything else is a bug and keeps
-    its traceback.
+    User mistakes exit 2 (like argparse); a lost peer exits 1; a stop on SIGTERM or SIGUSR1
+    exits 128 + the signal's number once the checkpoint is saved. Anything else is a bug and
+    keeps its traceback.
     """
     try:
         action()
     except UserError as err:
         print(f"ddptrain: error: {one_line(err)}", file=sys.stderr, flush=True)
         return 2
+    except Stopped as stop:
+        print(f"ddptrain: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
     except Exception as err:
         reason = _peer_lost(err)
         if reason is None:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from ddptrain.checkpoint import atomic_write
 from ddptrain.distributed import DistEnv, all_sum
 
 
@@ -29,20 +30,27 @@ class Sums:
         self.values[1:3] += topk_correct(output.detach(), target)
         self.values[3] += n
 
+    def totals(self, env: DistEnv) -> torch.Tensor:
+        """The sums over all ranks, on the CPU (a collective: every rank must call it)."""
+        values = self.values.clone()
+        return all_sum(values.cpu() if _gloo(env) else values, env).cpu()
+
     def summary(self, env: DistEnv | None = None) -> dict[str, float]:
         """Means over the samples of this rank, or of all ranks when env is given (a collective:
         every rank must call it)."""
-        values = self.values.clone()
-        if env is not None:
-            values = all_sum(values.cpu() if _gloo(env) else values, env)
-        loss, top1, top5, n = values.tolist()
-        n_safe = max(n, 1)
-        return {
-            "loss": loss / n_safe,
-            "acc1": 100 * top1 / n_safe,
-            "acc5": 100 * top5 / n_safe,
-            "samples": int(n),
-        }
+        return summarize(self.values if env is None else self.totals(env))
+
+
+def summarize(totals: torch.Tensor) -> dict[str, float]:
+    """Means from (loss sum, top-1 hits, top-5 hits, samples)."""
+    loss, top1, top5, n = totals.tolist()
+    n_safe = max(n, 1)
+    return {
+        "loss": loss / n_safe,
+        "acc1": 100 * top1 / n_safe,
+        "acc5": 100 * top5 / n_safe,
+        "samples": int(n),
+    }
 
 
 def _gloo(env: DistEnv) -> bool:
@@ -61,3 +69,20 @@ class MetricsLog:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+    def keep_until(self, epoch: int) -> None:
+        """Drops the records of epochs after `epoch`: those of a run that died after logging
+        them but before the checkpoint it resumes from, which would otherwise appear twice."""
+        if not (self.enabled and self.path.exists()):
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _epoch_of(line) <= epoch]
+        if len(kept) < len(lines):
+            atomic_write(self.path, "".join(kept).encode())
+
+
+def _epoch_of(line: str) -> int:
+    try:
+        return int(json.loads(line)["epoch"])
+    except (ValueError, KeyError, TypeError):  # a line torn by a crash mid-append
+        return 1 << 62

@@ -31,6 +31,7 @@ from ddptrain.distributed import DistEnv, SpawnSlot
 from ddptrain.errors import UserError
 from ddptrain.metrics import MetricsLog
 from ddptrain.precision import resolve_precision
+from ddptrain.preempt import StopRequests
 
 
 def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
@@ -50,7 +51,7 @@ def _train(config: Config, env: DistEnv) -> TrainState:
     if config.seed is not None:
         _seed_everything(config.seed, env)
 
-    loaders, model, optimizer, scheduler, state, precision = distributed.agree(
+    loaders, model, optimizer, scheduler, state, precision, seed = distributed.agree(
         env, lambda: _prepare(config, env, out_dir, seed, resume)
     )
     train_samples = loaders.train_sampler.num_samples if loaders.train_sampler else 0
@@ -60,7 +61,8 @@ def _train(config: Config, env: DistEnv) -> TrainState:
             "train images": train_samples,
             "val images": loaders.num_val,
             "classes": loaders.class_to_idx,
-            "resumed epoch": (state.epoch, state.global_step),
+            "resumed position": (state.epoch, state.epoch_step, state.global_step),
+            "data seed": seed,
         },
     )
 
@@ -71,19 +73,31 @@ def _train(config: Config, env: DistEnv) -> TrainState:
         model = torch.compile(model)
     meta, resolved = _records(config, env, loaders, precision, seed)
     log = MetricsLog(out_dir, enabled=env.is_main)
-    run = trainer.Run(
-        config, env, loaders, model, optimizer, scheduler, meta, log, seed, precision, resolved
-    )
-    if config.evaluate:
-        return _evaluate_only(run, state)
-    if env.is_main:
-        print(
-            f"training {config.arch} on {loaders.num_classes} classes, {env.world_size} rank(s) "
-            f"on {env.device.type}, global batch {config.batch_size}, "
-            f"epochs {state.epoch}->{config.epochs}",
-            flush=True,
+    with StopRequests(env) as stop:
+        run = trainer.Run(
+            config=config,
+            env=env,
+            data=loaders,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            meta=meta,
+            log=log,
+            seed=seed,
+            precision=precision,
+            resolved_config=resolved,
+            stop=stop,
         )
-    return trainer.fit(run, state)
+        if config.evaluate:
+            return _evaluate_only(run, state)
+        if env.is_main:
+            print(
+                f"training {config.arch} on {loaders.num_classes} classes, {env.world_size} "
+                f"rank(s) on {env.device.type}, global batch {config.batch_size}, "
+                f"epochs {state.epoch}->{config.epochs}",
+                flush=True,
+            )
+        return trainer.fit(run, state)
 
 
 def _records(config: Config, env: DistEnv, loaders: data.Data, precision, seed: int):
@@ -95,6 +109,7 @@ def _records(config: Config, env: DistEnv, loaders: data.Data, precision, seed: 
         "num_classes": loaders.num_classes,
         "class_to_idx": loaders.class_to_idx,
         "config": settings,
+        "data_seed": seed,  # a resumed run continues the same data order
     }
     runtime = {
         "world_size": env.world_size,
@@ -124,8 +139,11 @@ def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Pat
     """Everything that may fail on some ranks only. No collectives in here."""
     if env.is_main:
         _check_out_dir(out_dir, resume, config.evaluate)
+    saved = None if resume is None else _load(resume)
+    if saved is not None:
+        seed = int(saved.get("data_seed", seed))
+        _check_position(saved, config)
     loaders = data.build(config, env, _data_root(config, env), seed)
-    saved = None if resume is None else checkpoint.load(resume)
     if saved is not None:
         checkpoint.check_compatible(saved, resume, config.arch, loaders.class_to_idx)
     saved_config = None if saved is None else saved.get("config")
@@ -146,8 +164,32 @@ def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Pat
         if precision.scaler is not None and "scaler" in saved:
             precision.scaler.load_state_dict(saved["scaler"])
         if env.is_main:
-            print(f"resumed from {resume} (epoch {state.epoch}, best acc1 {state.best_acc1:.2f})")
-    return loaders, model, optimizer, scheduler, state, precision
+            print(
+                f"resumed from {resume} (epoch {state.epoch}, step {state.epoch_step} of the "
+                f"next, best acc1 {state.best_acc1:.2f})",
+                flush=True,
+            )
+    if env.is_main and not config.evaluate:
+        MetricsLog(out_dir, enabled=True).keep_until(state.epoch)
+    return loaders, model, optimizer, scheduler, state, precision, seed
+
+
+def _load(path: Path) -> dict:
+    try:
+        return checkpoint.load(path)
+    except UserError as err:
+        raise UserError(f"--resume: {err}") from None
+
+
+def _check_position(saved: dict, config: Config) -> None:
+    """A checkpoint taken mid-epoch continues the epoch's sample order at step x global batch:
+    that position only exists for the same global batch."""
+    saved_batch = saved.get("config", {}).get("batch_size")
+    if saved.get("epoch_step") and saved_batch != config.batch_size:
+        raise UserError(
+            f"--batch-size {config.batch_size}: the checkpoint stopped mid-epoch with global "
+            f"batch {saved_batch}; resume with -b {saved_batch} (any number of ranks)"
+        )
 
 
 def _check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool) -> None:
@@ -158,11 +200,15 @@ def _check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool) -> None:
         raise UserError(f"--out-dir {out_dir}: {err.strerror}") from None
     if not os.access(out_dir, os.W_OK):
         raise UserError(f"--out-dir {out_dir} is not writable")
-    latest = out_dir / checkpoint.LATEST
-    continues = resume is not None and latest.exists() and latest.samefile(resume)
-    if latest.exists() and not (continues or evaluate):
+    if evaluate:
+        return
+    checkpoint.remove_stale_temp_files(out_dir)
+    earlier = [out_dir / checkpoint.LATEST, *checkpoint.numbered(out_dir)]
+    earlier = [p for p in earlier if p.exists()]
+    continues = resume is not None and any(p.samefile(resume) for p in earlier)
+    if earlier and not continues:
         raise UserError(
-            f"--out-dir {out_dir} already holds {checkpoint.LATEST} of an earlier run: continue "
+            f"--out-dir {out_dir} already holds {earlier[0].name} of an earlier run: continue "
             "it with --resume auto, or choose another --out-dir"
         )
 

@@ -1,7 +1,8 @@
 """The training loop: one step, one epoch, exact evaluation, and the epoch loop around them."""
 
 import json
-import os
+import random
+import signal
 import time
 from dataclasses import dataclass
 
@@ -9,14 +10,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from ddptrain import checkpoint
+from ddptrain import checkpoint, faults
 from ddptrain.checkpoint import TrainState
 from ddptrain.config import Config
-from ddptrain.data import Data, epoch_seed
+from ddptrain.data import Data
 from ddptrain.distributed import DistEnv, broadcast_buffers
-from ddptrain.metrics import MetricsLog, Sums
+from ddptrain.errors import Stopped
+from ddptrain.metrics import MetricsLog, Sums, summarize
 from ddptrain.parallelize import unwrap
 from ddptrain.precision import Precision
+from ddptrain.preempt import StopRequests
 
 DATA_WAIT_WARNING = 0.2  # share of epoch time spent waiting for the loader
 AUX_WEIGHT = 0.4  # googlenet and inception_v3 auxiliary heads, as torchvision's references
@@ -73,19 +76,12 @@ class Run:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    meta: dict  # arch, num_classes, class_to_idx, config: saved with every checkpoint
+    meta: dict  # arch, num_classes, class_to_idx, config, data_seed: saved with every checkpoint
     log: MetricsLog
     seed: int
     precision: Precision
     resolved_config: dict  # config.json: the configuration plus what the run resolved
-
-
-def _maybe_stall(rank: int) -> None:
-    """Fault injection for the tests only: DDPTRAIN_TEST_STALL_RANK=N hangs rank N forever
-    before its first step, as a wedged process would."""
-    if os.environ.get("DDPTRAIN_TEST_STALL_RANK") == str(rank):
-        while True:
-            time.sleep(3600)
+    stop: StopRequests
 
 
 def _log(env: DistEnv, line: str) -> None:
@@ -93,34 +89,75 @@ def _log(env: DistEnv, line: str) -> None:
         print(line, flush=True)
 
 
-def _reseed(seed: int, epoch: int, rank: int) -> None:
-    """Model-side randomness (dropout) from seed, epoch and rank alone, so a run resumed at an
-    epoch boundary continues exactly as an uninterrupted one."""
-    s = epoch_seed(seed + rank, epoch)
-    torch.manual_seed(s)
-    np.random.seed(s % 2**32)
+def _reseed(seed: int, epoch: int, step: int, rank: int) -> None:
+    """Model-side randomness (dropout, stochastic depth) from seed, epoch, step and rank alone,
+    as augmentation is from each sample's seed: a run resumed at any step draws what an
+    uninterrupted one would, with no generator state to save."""
+    state = np.random.SeedSequence([seed, epoch, step, rank]).generate_state(2, np.uint64)
+    torch.manual_seed(int(state[0] >> 1))
+    np.random.seed(int(state[1] % 2**32))
+    random.seed(int(state[1]))
+
+
+def save(run: Run, state: TrainState, is_best: bool = False) -> None:
+    """Writes a checkpoint of state (rank 0 writes; a collective when state carries the epoch's
+    train sums, which every rank contributed to)."""
+    env = run.env
+    if env.is_main:
+        ckpt = checkpoint.payload(unwrap(run.model), run.optimizer, run.scheduler, state, run.meta)
+        if run.precision.scaler is not None:
+            ckpt["scaler"] = run.precision.scaler.state_dict()
+        out_dir = run.log.path.parent
+        checkpoint.save(out_dir, ckpt, is_best, run.config.keep_last)
+        # Written with the checkpoint, not before: a run that fails early changes nothing.
+        config_json = json.dumps(run.resolved_config, indent=2).encode()
+        checkpoint.atomic_write(out_dir / "config.json", config_json)
+    run.stop.unsaved = False
+
+
+def _backward_fault(model: nn.Module, step: int) -> None:
+    """Test fault injection inside the backward pass: the first layer's gradient comes last, once
+    DDP has already all-reduced the other buckets."""
+    if faults.armed("backward", step):
+        first = next(model.parameters())
+        first.register_hook(lambda grad: faults.kill_point("backward", step))
 
 
 def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
+    """Trains epoch `epoch` from step state.epoch_step; returns its train record. Stops every
+    rank, after a checkpoint, when a stop signal is agreed on."""
     config, env = run.config, run.env
     model, criterion = run.model, nn.CrossEntropyLoss()
     model.train()
-    run.data.train_sampler.set_epoch(epoch)
-    steps = run.data.train_sampler.steps
-    sums = Sums(env.device)
+    sampler = run.data.train_sampler
+    first = state.epoch_step
+    sampler.set_epoch(epoch, first)
+    steps = sampler.steps
+    sums = Sums(env.device)  # this run's part of the epoch; state.train_sums holds the rest
+    carried = (
+        state.train_sums if state.train_sums is not None else torch.zeros(4, dtype=torch.float64)
+    )
     start = time.perf_counter()
     waiting = 0.0
     batches = iter(run.data.train_loader)
-    _maybe_stall(env.rank)
-    for step in range(1, steps + 1):
+    faults.maybe_stall(env.rank)
+    for step in range(first + 1, steps + 1):
+        faults.kill_point("between", state.global_step + 1)
+        signum = run.stop.agreed()
+        if signum:
+            _stop(run, state, sums, carried, signum)
+        _reseed(run.seed, epoch, step, env.rank)
         ready = time.perf_counter()
         images, target = next(batches)
         waiting += time.perf_counter() - ready
         images = run.precision.inputs(images, env.device)
         target = target.to(env.device, non_blocking=True)
+        _backward_fault(model, state.global_step + 1)
         loss, output = train_step(model, criterion, run.optimizer, images, target, run.precision)
         sums.add(loss, output, target)
         state.global_step += 1
+        state.epoch_step = step
+        run.stop.unsaved = True
         if step % config.print_freq == 0 or step == steps:
             now = time.perf_counter()
             local = sums.summary()  # this rank's running means: a host sync, at print steps only
@@ -131,41 +168,52 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
                 f"loss {local['loss']:.4f} acc1 {local['acc1']:6.2f} acc5 {local['acc5']:6.2f} "
                 f"| {rate:7.1f} samples/s | data {100 * waiting / (now - start):4.1f}%",
             )
+        every = config.checkpoint_every
+        # Not at the epoch's last step: the epoch's end has its own checkpoint, after evaluation.
+        if every and state.global_step % every == 0 and step < steps:
+            state.train_sums = sums.totals(env) + carried
+            save(run, state)
     elapsed = time.perf_counter() - start
-    result = sums.summary(env)
+    new = sums.totals(env)
     return {
-        **result,
-        "samples_per_sec": result["samples"] / elapsed,
+        **summarize(new + carried),
+        "samples_per_sec": new[3].item() / elapsed,
         "data_wait": waiting / elapsed,
     }
 
 
+def _stop(run: Run, state: TrainState, sums: Sums, carried: torch.Tensor, signum: int) -> None:
+    """Every rank agreed to stop: checkpoint where we are (unless just saved), then exit."""
+    if run.stop.unsaved:
+        state.train_sums = sums.totals(run.env) + carried
+        save(run, state)
+    raise Stopped(
+        signum,
+        f"stopped by {signal.Signals(signum).name} after global step {state.global_step} "
+        f"({state.epoch_step} steps of epoch {state.epoch + 1} done); checkpoint in "
+        f"{run.log.path.parent}: continue with --resume auto",
+    )
+
+
 def fit(run: Run, state: TrainState) -> TrainState:
     config, env = run.config, run.env
+    faults.set_rank(env.rank)
     criterion = nn.CrossEntropyLoss()
     out_dir = run.log.path.parent
     start, val = time.perf_counter(), None
     for epoch in range(state.epoch, config.epochs):
         lr = run.optimizer.param_groups[0]["lr"]
-        _reseed(run.seed, epoch, env.rank)
         train = train_epoch(run, epoch, state)
         run.scheduler.step()
         val = evaluate(run.model, run.data.val_loader, env, criterion, run.precision)
-        state.epoch = epoch + 1
+        state.epoch, state.epoch_step, state.train_sums = epoch + 1, 0, None
         is_best = val["acc1"] > state.best_acc1
         state.best_acc1 = max(state.best_acc1, val["acc1"])
-        if env.is_main:
-            ckpt = checkpoint.payload(
-                unwrap(run.model), run.optimizer, run.scheduler, state, run.meta
-            )
-            if run.precision.scaler is not None:
-                ckpt["scaler"] = run.precision.scaler.state_dict()
-            checkpoint.save(out_dir, ckpt, is_best)
-            # Written with the checkpoint, not before: a run that fails early changes nothing.
-            config_json = json.dumps(run.resolved_config, indent=2).encode()
-            checkpoint.atomic_write(out_dir / "config.json", config_json)
+        # Logged before the checkpoint: a run killed in between resumes from the previous
+        # checkpoint, which drops these records (MetricsLog.keep_until) and logs them again.
         run.log.write({"split": "train", "epoch": state.epoch, "lr": lr, **train})
         run.log.write({"split": "val", "epoch": state.epoch, **val})
+        save(run, state, is_best)
         if train["data_wait"] > DATA_WAIT_WARNING:
             _log(
                 env,

@@ -1,5 +1,6 @@
 """Runs the real ddptrain CLI in subprocesses, under each launcher, with a deadline."""
 
+import json
 import os
 import socket
 import subprocess
@@ -10,7 +11,7 @@ import torch
 DEADLINE = 240  # seconds: a hang fails the test instead of stalling CI
 
 
-def _env(**extra) -> dict:
+def env_with(**extra) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **extra}
 
 
@@ -46,18 +47,24 @@ def ddptrain(*args, timeout=DEADLINE, env=None) -> subprocess.CompletedProcess:
     return _run([sys.executable, "-m", "ddptrain", *map(str, args)], timeout, env)
 
 
-def torchrun(nproc: int, *args, timeout=DEADLINE, env=None) -> subprocess.CompletedProcess:
-    cmd = [
+def torchrun_command(nproc: int, *args, restarts: int = 0) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
+        f"--max-restarts={restarts}",
         "-m",
         "ddptrain",
         *map(str, args),
     ]
-    return _run(cmd, timeout, env)
+
+
+def torchrun(
+    nproc: int, *args, timeout=DEADLINE, env=None, restarts: int = 0
+) -> subprocess.CompletedProcess:
+    return _run(torchrun_command(nproc, *args, restarts=restarts), timeout, env)
 
 
 def launch(nproc: int, *args, timeout=DEADLINE) -> subprocess.CompletedProcess:
@@ -95,7 +102,7 @@ def tcp_pair(*args, timeout=DEADLINE) -> list[subprocess.CompletedProcess]:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=_env(),
+            env=env_with(),
         )
         for rank in range(2)
     ]
@@ -112,7 +119,7 @@ def tcp_pair(*args, timeout=DEADLINE) -> list[subprocess.CompletedProcess]:
 
 def _run(cmd, timeout, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=_env(**(env or {}))
+        cmd, capture_output=True, text=True, timeout=timeout, env=env_with(**(env or {}))
     )
 
 
@@ -129,3 +136,26 @@ def assert_same_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def training_state(out_dir) -> dict:
+    return torch.load(out_dir / "checkpoint.pt", weights_only=True)
+
+
+def val_records(out_dir) -> list[dict]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == "val"]
+
+
+def _flat_optimizer(ckpt: dict) -> dict[str, torch.Tensor]:
+    return {f"{k}.{n}": v for k, s in ckpt["optimizer"]["state"].items() for n, v in s.items()}
+
+
+def assert_same_training(a_dir, b_dir) -> None:
+    """Bitwise the same model, optimizer, schedule and progress, and the same val records."""
+    a, b = training_state(a_dir), training_state(b_dir)
+    assert (a["epoch"], a["global_step"]) == (b["epoch"], b["global_step"])
+    assert_same_weights(a["model"], b["model"])
+    assert_same_weights(_flat_optimizer(a), _flat_optimizer(b))
+    assert a["scheduler"] == b["scheduler"] and a["best_acc1"] == b["best_acc1"]
+    assert val_records(a_dir) == val_records(b_dir)

@@ -98,7 +98,7 @@ def test_resume_with_other_classes(data, tiny_data, tmp_path):
     result = timed(
         lambda: ddptrain("train", *tiny_args(data, tmp_path), "--resume", "auto", "--epochs", "2")
     )
-    assert_user_error(result, "checkpoint.pt", "classes")
+    assert_user_error(result, "checkpoint-000000003.pt", "classes")  # the one auto chose
 
 
 def test_batch_that_does_not_divide_under_torchrun(tiny_data, tmp_path):
@@ -184,3 +184,11 @@ def test_resuming_another_checkpoint_into_a_used_out_dir(tiny_data, tmp_path):
     )
     assert_user_error(result, str(tmp_path / "b"))
     assert (tmp_path / "b" / "checkpoint.pt").read_bytes() == before
+
+
+def test_a_mid_epoch_checkpoint_needs_its_global_batch(tiny_data, tmp_path):
+    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path / "a"), "--checkpoint-every", "2"))
+    mid_epoch = tmp_path / "a" / "checkpoint-000000002.pt"
+    args = (*tiny_args(tiny_data, tmp_path / "b"), "-b", "12", "--resume", mid_epoch)
+    result = timed(lambda: ddptrain("train", *args))
+    assert_user_error(result, "--batch-size 12", "-b 8")

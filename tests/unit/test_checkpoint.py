@@ -32,7 +32,8 @@ def meta():
 def test_round_trip_restores_weights_optimizer_schedule_and_state(tmp_path):
     model, optimizer, scheduler = trained_model()
     state = TrainState(epoch=3, global_step=30, best_acc1=42.5)
-    checkpoint.save(tmp_path, checkpoint.payload(model, optimizer, scheduler, state, meta()), True)
+    payload = checkpoint.payload(model, optimizer, scheduler, state, meta())
+    checkpoint.save(tmp_path, payload, True, keep_last=2)
 
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert saved["format_version"] == checkpoint.FORMAT_VERSION
@@ -67,6 +68,7 @@ def test_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         tmp_path,
         checkpoint.payload(model, optimizer, scheduler, TrainState(epoch=1), meta()),
         False,
+        keep_last=2,
     )
     before = (tmp_path / "checkpoint.pt").read_bytes()
 
@@ -77,12 +79,19 @@ def test_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         checkpoint.save(
             tmp_path,
-            checkpoint.payload(model, optimizer, scheduler, TrainState(epoch=2), meta()),
+            checkpoint.payload(
+                model, optimizer, scheduler, TrainState(epoch=2, global_step=5), meta()
+            ),
             False,
+            keep_last=2,
         )
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
     assert checkpoint.load(tmp_path / "checkpoint.pt")["epoch"] == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # no temp file left
+    # no temp file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-000000000.pt",
+        "checkpoint.pt",
+    ]
 
 
 def test_garbage_and_unsafe_files_are_refused(tmp_path):
@@ -96,13 +105,72 @@ def test_garbage_and_unsafe_files_are_refused(tmp_path):
         checkpoint.load(unsafe)
 
 
+def save_steps(out_dir, steps, keep_last=2, best_at=()):
+    model, optimizer, scheduler = trained_model()
+    for step in steps:
+        state = TrainState(epoch=step // 10, global_step=step, epoch_step=step % 10)
+        payload = checkpoint.payload(model, optimizer, scheduler, state, meta())
+        checkpoint.save(out_dir, payload, step in best_at, keep_last)
+
+
+def test_the_newest_keep_last_are_kept_and_checkpoint_pt_is_the_newest(tmp_path):
+    save_steps(tmp_path, [4, 8, 12, 16], keep_last=3, best_at=(8,))
+    assert [p.name for p in checkpoint.numbered(tmp_path)] == [
+        "checkpoint-000000016.pt",
+        "checkpoint-000000012.pt",
+        "checkpoint-000000008.pt",
+    ]
+    assert (tmp_path / "checkpoint.pt").samefile(tmp_path / "checkpoint-000000016.pt")
+    assert checkpoint.load(tmp_path / "model_best.pt")["global_step"] == 8
+    assert not (tmp_path / "model_best.pt").samefile(tmp_path / "checkpoint-000000008.pt")
+
+
 def test_resolve(tmp_path):
     assert checkpoint.resolve(None, tmp_path) is None
     assert checkpoint.resolve("auto", tmp_path) is None
-    (tmp_path / "checkpoint.pt").write_bytes(b"x")
-    assert checkpoint.resolve("auto", tmp_path) == tmp_path / "checkpoint.pt"
+    save_steps(tmp_path, [3])
+    assert checkpoint.resolve("auto", tmp_path) == tmp_path / "checkpoint-000000003.pt"
     with pytest.raises(UserError, match="nothere.pt"):
         checkpoint.resolve(str(tmp_path / "nothere.pt"), tmp_path)
+
+
+def flip_a_byte(path, where):
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),  # truncated
+        lambda p: flip_a_byte(p, 0.5),  # in tensor data, where torch.load would not notice
+        lambda p: p.write_bytes(b""),
+    ],
+    ids=["truncated", "flipped-byte", "empty"],
+)
+def test_resume_auto_skips_a_damaged_newest_checkpoint_and_names_it(tmp_path, capsys, damage):
+    save_steps(tmp_path, [4, 8])
+    newest = tmp_path / "checkpoint-000000008.pt"
+    (tmp_path / "checkpoint.pt").unlink()  # a link to newest: a second name for the same damage
+    damage(newest)
+    with pytest.raises(UserError, match="checkpoint-000000008.pt"):
+        checkpoint.load(newest)
+    capsys.readouterr()
+    assert checkpoint.resolve("auto", tmp_path) == tmp_path / "checkpoint-000000004.pt"
+    warning = capsys.readouterr().err
+    assert "warning: --resume auto: skipping" in warning
+    assert "checkpoint-000000008.pt" in warning
+
+
+def test_stale_temp_files_are_removed_and_never_chosen(tmp_path):
+    save_steps(tmp_path, [4])
+    stale = tmp_path / ".checkpoint-000000008.pt.abc123.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    assert checkpoint.resolve("auto", tmp_path) == tmp_path / "checkpoint-000000004.pt"
+    checkpoint.remove_stale_temp_files(tmp_path)
+    assert not stale.exists()
+    assert (tmp_path / "checkpoint-000000004.pt").exists()
 
 
 def test_incompatible_checkpoints_are_named(tmp_path):

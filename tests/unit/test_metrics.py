@@ -36,3 +36,20 @@ def test_metrics_log_appends_only_on_the_main_rank(tmp_path):
     log.write({"split": "val", "epoch": 1})
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["split"] for line in lines] == ["train", "val"]
+
+
+def test_resuming_drops_the_records_logged_after_the_checkpoint(tmp_path):
+    log = MetricsLog(tmp_path, enabled=True)
+    for epoch in (1, 2, 3):
+        log.write({"split": "train", "epoch": epoch})
+        log.write({"split": "val", "epoch": epoch})
+    with open(log.path, "a") as f:
+        f.write('{"split": "tra')  # torn by a crash mid-append
+    log.keep_until(2)
+    records = [json.loads(line) for line in log.path.read_text().splitlines()]
+    assert [(r["split"], r["epoch"]) for r in records] == [
+        ("train", 1),
+        ("val", 1),
+        ("train", 2),
+        ("val", 2),
+    ]

@@ -30,6 +30,20 @@ def test_global_order_is_the_same_at_any_world_size(world):
     assert interleave_global(orders, 12 // world) == single
 
 
+@pytest.mark.parametrize(("before", "after"), [(1, 1), (2, 1), (1, 2), (3, 2)])
+def test_an_epoch_resumed_mid_way_continues_the_same_global_order(before, after):
+    """Steps 0..k at one world size, then k.. at another: the uninterrupted global order."""
+    single = rank_orders(50, 12, 1, epoch=3)[0]
+    cut = 2  # global batches done before the interruption
+    head = interleave_global(rank_orders(50, 12, before, epoch=3), 12 // before)[: cut * 12]
+    resumed = [GlobalBatchSampler(50, 12, r, after, 0) for r in range(after)]
+    for sampler in resumed:
+        sampler.set_epoch(3, start_step=cut)
+    tail = interleave_global([list(s) for s in resumed], 12 // after)
+    assert len(resumed[0]) == (4 - cut) * 12 // after
+    assert head + tail == single
+
+
 def test_each_index_once_per_epoch_and_ranks_disjoint():
     orders = rank_orders(50, 12, 3)
     indices = [i for order in orders for i, _ in order]

@@ -12,6 +12,7 @@ from ddptrain.config import Config
 from ddptrain.data import Data
 from ddptrain.distributed import DistEnv
 from ddptrain.precision import Precision
+from ddptrain.preempt import StopRequests
 
 CPU = torch.device("cpu")
 ONE = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=CPU)
@@ -74,7 +75,7 @@ class Epochs:
 
     steps = STEPS
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         pass
 
 
@@ -103,9 +104,11 @@ def test_no_host_sync_outside_print_steps(monkeypatch, capsys, precision):
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 30)
     config = Config(print_freq=STEPS + 1, epochs=1)  # only the last step prints
     data = Data(loader, Epochs(), val_loader=[], num_val=0, class_to_idx={})
-    run = trainer.Run(config, ONE, data, model, optimizer, scheduler, {}, None, 0, precision, {})
-
-    result = trainer.train_epoch(run, 0, TrainState())
+    with StopRequests(ONE) as stop:
+        run = trainer.Run(
+            config, ONE, data, model, optimizer, scheduler, {}, None, 0, precision, {}, stop
+        )
+        result = trainer.train_epoch(run, 0, TrainState())
 
     per_step = [b - a for a, b in zip(loader.marks, loader.marks[1:], strict=False)]
     assert len(per_step) == STEPS - 1

@@ -1,0 +1,62 @@
+"""Fault injection for the test suite and bench/: kill or stall this process at a named point.
+
+Inert unless the DDPTRAIN_TEST_* environment variables are set; nothing else reads them.
+
+- DDPTRAIN_TEST_KILL=POINT:RANK:STEP sends SIGKILL to global rank RANK at POINT of global step
+  STEP (1-based: the step being taken). Points: `data` (while the step's batch is being loaded),
+  `backward` (inside the backward pass, some gradient buckets already all-reduced), `between`
+  (before the step starts), `before_rename` and `after_rename` (while committing a checkpoint file
+  written at step STEP).
+- DDPTRAIN_TEST_KILL_ONCE=PATH: kill only while PATH does not exist, and create it first, so the
+  run restarted after the kill goes through.
+- DDPTRAIN_TEST_SIGNAL=NAME sends signal NAME (e.g. SIGTERM) instead of SIGKILL.
+- DDPTRAIN_TEST_STALL_RANK=N hangs rank N forever before its first step, as a wedged process.
+"""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+KILL, ONCE, SIGNAL, STALL = (
+    "DDPTRAIN_TEST_KILL",
+    "DDPTRAIN_TEST_KILL_ONCE",
+    "DDPTRAIN_TEST_SIGNAL",
+    "DDPTRAIN_TEST_STALL_RANK",
+)
+POINTS = ("data", "backward", "between", "before_rename", "after_rename")
+
+_rank = 0  # this process's global rank, set by the trainer
+
+
+def set_rank(rank: int) -> None:
+    global _rank
+    _rank = rank
+
+
+def armed(point: str, step: int) -> bool:
+    """Whether DDPTRAIN_TEST_KILL asks for a kill at this point of this step on this rank."""
+    spec = os.environ.get(KILL)
+    if not spec:
+        return False
+    want_point, want_rank, want_step = spec.split(":")
+    assert want_point in POINTS, f"{KILL}: unknown point {want_point}"
+    return (want_point, int(want_rank), int(want_step)) == (point, _rank, step)
+
+
+def kill_point(point: str, step: int) -> None:
+    if not armed(point, step):
+        return
+    once = os.environ.get(ONCE)
+    if once:
+        if Path(once).exists():
+            return
+        Path(once).touch()
+    # Delivered before os.kill returns: a signal a process sends itself is not deferred.
+    os.kill(os.getpid(), signal.Signals[os.environ.get(SIGNAL, "SIGKILL")])
+
+
+def maybe_stall(rank: int) -> None:
+    if os.environ.get(STALL) == str(rank):
+        while True:
+            time.sleep(3600)

@@ -1,0 +1,66 @@
+"""Preemption: SIGTERM or SIGUSR1 on any rank stops every rank at the same step boundary.
+
+SLURM and cloud schedulers send one of these before they kill a job (torchrun passes SIGTERM on
+to its workers and waits 30 s). A signal may reach only some ranks, or reach them at different
+steps, so ranks agree through a tiny all-reduce started at each step boundary and read at the
+next: a stop is acted on one step after the signal, at the same step on every rank, and the step
+itself never waits for it.
+"""
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ddptrain.distributed import DistEnv, cpu_group
+from ddptrain.errors import Stopped
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequests:
+    """Use as a context manager around training: it installs the handlers and restores them."""
+
+    def __init__(self, env: DistEnv):
+        self.env = env
+        self.received = 0  # the signal number this rank got, 0 for none
+        # Steps trained since the last checkpoint: set by the trainer. Without any, a signal
+        # ends this rank at once: there is nothing to save, and a rank stalled outside the step
+        # loop could not reach the next boundary anyway.
+        self.unsaved = False
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopRequests":
+        if threading.current_thread() is threading.main_thread():  # where Python runs handlers
+            self._previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        if self._pending is not None and kind is None:
+            self._pending[0].wait()  # leave no collective in flight behind a finished run
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.received = self.received or signum
+        if not self.unsaved:
+            name = signal.Signals(signum).name
+            raise Stopped(signum, f"stopped by {name}: nothing trained since the last checkpoint")
+
+    def agreed(self) -> int:
+        """The signal every rank stops for now (the highest number any rank received up to the
+        previous boundary), or 0 to go on. A collective: every rank calls it at every step
+        boundary."""
+        if not self.env.distributed:
+            return self.received
+        stop = 0
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            stop = int(flag.item())  # a CPU tensor: no device synchronisation
+        flag = torch.tensor([self.received], dtype=torch.int32)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group(), async_op=True)
+        self._pending = (work, flag)
+        return stop

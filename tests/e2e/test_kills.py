@@ -1,0 +1,141 @@
+"""Killed runs continue as if nothing had happened: the same weights, bit for bit.
+
+The tiny run: 24 images, global batch 8, so 3 steps an epoch, 2 epochs; a checkpoint every 2
+steps (global steps 2 and 4) and at each epoch's end (steps 3 and 6). Faults are injected with
+DDPTRAIN_TEST_KILL=POINT:RANK:STEP (see ddptrain/faults.py); a marker file makes each fire once,
+so the run torchrun restarts goes through.
+"""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from cli import (
+    DEADLINE,
+    assert_same_training,
+    ddptrain,
+    env_with,
+    ok,
+    tiny_args,
+    torchrun,
+    torchrun_command,
+    training_state,
+)
+
+
+def args(data, out, checkpoint_every=2, epochs=2):
+    return (
+        *("train", *tiny_args(data, out), "--resume", "auto"),
+        *("--epochs", epochs, "--checkpoint-every", checkpoint_every),
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    ok(torchrun(2, *args(tiny_data, out)))
+    assert training_state(out)["global_step"] == 6
+    return out
+
+
+def kill(point, rank, step, marker):
+    return {"DDPTRAIN_TEST_KILL": f"{point}:{rank}:{step}", "DDPTRAIN_TEST_KILL_ONCE": str(marker)}
+
+
+@pytest.mark.parametrize(
+    ("point", "rank", "step", "resumed_at"),
+    [
+        ("data", 1, 5, 4),  # mid-epoch 2, resumes mid-epoch from step 4
+        ("backward", 0, 3, 2),  # the last step of epoch 1, resumes mid-epoch from step 2
+        ("between", 1, 4, 3),  # right after epoch 1's checkpoint
+        ("before_rename", 0, 4, 3),  # the step-4 checkpoint written but not committed
+        ("after_rename", 0, 4, 4),  # committed, checkpoint.pt not yet pointing at it
+    ],
+)
+def test_a_rank_killed_under_torchrun_restarts_and_ends_bitwise_equal(
+    tiny_data, tmp_path, uninterrupted, point, rank, step, resumed_at
+):
+    out, marker = tmp_path / "run", tmp_path / "killed"
+    env = kill(point, rank, step, marker)
+    result = ok(torchrun(2, *args(tiny_data, out), env=env, restarts=2))
+    assert marker.exists(), "the fault never fired"
+    assert f"resumed from {out}/checkpoint-{resumed_at:09d}.pt" in result.stdout
+    assert not list(out.glob(".checkpoint*")), "a temp file of the killed save was left"
+    assert_same_training(uninterrupted, out)
+
+
+def test_the_whole_job_killed_and_relaunched_ends_bitwise_equal(tiny_data, tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    # Every process of the job dies at once, as when a node goes away, right after step 4's
+    # checkpoint is committed (stall rank 0 there so the kill lands in a known place).
+    job = subprocess.Popen(
+        torchrun_command(2, *args(tiny_data, out)),
+        env=env_with(
+            **kill("after_rename", 0, 4, tmp_path / "marker"), DDPTRAIN_TEST_SIGNAL="SIGSTOP"
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while not (tmp_path / "marker").exists() and job.poll() is None:
+            assert time.monotonic() < deadline, "the job never reached step 4"
+            time.sleep(0.2)
+        os.killpg(job.pid, signal.SIGKILL)
+    finally:
+        job.wait(timeout=60)
+    assert training_state(out)["global_step"] == 3  # checkpoint.pt was not yet moved on
+    result = ok(torchrun(2, *args(tiny_data, out)))
+    assert f"resumed from {out}/checkpoint-000000004.pt" in result.stdout
+    assert_same_training(uninterrupted, out)
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(
+    tiny_data, tmp_path, uninterrupted
+):
+    out = tmp_path / "run"
+    ok(torchrun(2, *args(tiny_data, out, epochs=1)))
+    newest = out / "checkpoint-000000003.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x10  # inside tensor data: torch.load alone would not notice
+    newest.write_bytes(bytes(data))
+    result = ok(torchrun(2, *args(tiny_data, out)))
+    assert f"skipping {newest} is damaged" in result.stderr
+    assert f"resumed from {out}/checkpoint-000000002.pt" in result.stdout
+    assert_same_training(uninterrupted, out)
+
+
+def test_sigterm_stops_every_rank_with_a_checkpoint_then_resume_ends_bitwise_equal(
+    tiny_data, tmp_path, uninterrupted
+):
+    out = tmp_path / "run"
+    # SIGTERM reaches rank 1 only, before step 2; the agreement read then started before the
+    # signal, the one read before step 3 says stop: every rank saves after step 2 and exits.
+    env = {"DDPTRAIN_TEST_KILL": "between:1:2", "DDPTRAIN_TEST_SIGNAL": "SIGTERM"}
+    stopped = torchrun(2, *args(tiny_data, out, checkpoint_every=0), env=env)
+    assert stopped.returncode != 0
+    assert "ddptrain: stopped by SIGTERM after global step 2" in stopped.stderr
+    assert training_state(out)["epoch_step"] == 2
+    ok(torchrun(2, *args(tiny_data, out)))
+    assert_same_training(uninterrupted, out)
+
+
+def test_a_stop_signal_exits_with_128_plus_its_number(tiny_data, tmp_path):
+    env = {"DDPTRAIN_TEST_KILL": "between:0:2", "DDPTRAIN_TEST_SIGNAL": "SIGUSR1"}
+    result = ddptrain(*args(tiny_data, tmp_path, checkpoint_every=0), env=env)
+    assert result.returncode == 128 + signal.SIGUSR1, result.stderr
+    assert training_state(tmp_path)["epoch_step"] == 1  # one process stops at once, before step 2
+    assert "continue with --resume auto" in result.stderr
+
+
+def test_a_stop_signal_with_nothing_to_save_exits_at_once(tiny_data, tmp_path):
+    ok(ddptrain(*args(tiny_data, tmp_path, epochs=1)))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    env = {"DDPTRAIN_TEST_KILL": "between:0:4", "DDPTRAIN_TEST_SIGNAL": "SIGTERM"}
+    result = ddptrain(*args(tiny_data, tmp_path), env=env)  # signalled before its first step
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert "nothing trained since the last checkpoint" in result.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
