@@ -18,6 +18,7 @@ from ddptrain import data, distributed, models, optim, trainer
 from ddptrain.checkpoint import TrainState
 from ddptrain.config import Config
 from ddptrain.precision import resolve_precision
+from ddptrain.preempt import StopRequests
 
 
 class Preloaded:
@@ -27,8 +28,19 @@ class Preloaded:
     def __init__(self, steps: list[int]):
         self.steps_by_epoch, self.steps = steps, steps[0]
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         self.steps = self.steps_by_epoch[epoch]
+
+
+def train_epochs(run_parts: tuple, epochs: int) -> list[float]:
+    """samples/s of each of `epochs` epochs of trainer.train_epoch over trainer.Run(*run_parts,
+    stop requests)."""
+    with StopRequests(run_parts[1]) as stop:
+        run = trainer.Run(*run_parts, stop)
+        return [
+            trainer.train_epoch(run, e, TrainState(epoch=e))["samples_per_sec"]
+            for e in range(epochs)
+        ]
 
 
 def main() -> None:
@@ -66,9 +78,8 @@ def main() -> None:
     model = precision.place(model, env.device)
     optimizer, scheduler = optim.build(model, config)
     feed = data.Data(batches, Preloaded([steps] * args.epochs), [], 0, loaders.class_to_idx)
-    run = trainer.Run(config, env, feed, model, optimizer, scheduler, {}, None, 0, precision, {})
-    state = TrainState()
-    rates = [trainer.train_epoch(run, e, state)["samples_per_sec"] for e in range(args.epochs)]
+    parts = (config, env, feed, model, optimizer, scheduler, {}, None, 0, precision, {})
+    rates = train_epochs(parts, args.epochs)
     print(json.dumps({"samples_per_sec": rates, "threads": torch.get_num_threads()}))
 
 

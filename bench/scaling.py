@@ -16,9 +16,8 @@ import json
 import torch
 
 from bench import common
-from bench.bound import Preloaded
-from ddptrain import data, distributed, models, optim, parallelize, trainer
-from ddptrain.checkpoint import TrainState
+from bench.bound import Preloaded, train_epochs
+from ddptrain import data, distributed, models, optim, parallelize
 from ddptrain.config import Config
 from ddptrain.precision import resolve_precision
 
@@ -55,11 +54,8 @@ def rank_main(batch: int, image_size: int, steps: int, sync: bool) -> None:
             model = parallelize.wrap(model, env, gpu_pinned=False)
         optimizer, scheduler = optim.build(model, config)
         feed = data.Data(batches, Preloaded([WARMUP_STEPS, steps]), [], 0, {})
-        run = trainer.Run(
-            config, env, feed, model, optimizer, scheduler, {}, None, 0, precision, {}
-        )
-        state = TrainState()
-        rates = [trainer.train_epoch(run, e, state)["samples_per_sec"] for e in range(2)]
+        parts = (config, env, feed, model, optimizer, scheduler, {}, None, 0, precision, {})
+        rates = train_epochs(parts, 2)
         if env.is_main:
             print(json.dumps({"samples_per_sec": rates, "threads": torch.get_num_threads()}))
     finally:
