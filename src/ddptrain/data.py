@@ -166,12 +166,6 @@ class GlobalBatchSampler(Sampler):
                 yield index, int(sample_seeds[index])
 
 
-def _exp_nice(worker_id):
-    n = int(os.environ.get("EXP_NICE", "0"))
-    if n:
-        os.nice(n)
-
-
 def shard(num_samples: int, rank: int, world_size: int) -> range:
     """Contiguous, disjoint slices covering 0..num_samples once: exact evaluation, no padding."""
     return range(rank * num_samples // world_size, (rank + 1) * num_samples // world_size)
@@ -222,7 +216,6 @@ def build(config: Config, env: DistEnv, data_root: Path | None, seed: int) -> Da
         num_workers=config.workers,
         pin_memory=env.device.type == "cuda",
         persistent_workers=config.workers > 0,
-        worker_init_fn=_exp_nice,
     )
     val_loader = DataLoader(
         Subset(val, shard(len(val), env.rank, env.world_size)), per_rank, **common
