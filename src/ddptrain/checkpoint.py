@@ -99,10 +99,14 @@ def _to_cpu(tree):
     return tree
 
 
-def payload(model: nn.Module, optimizer, scheduler, state: TrainState, meta: dict) -> dict:
+def payload(
+    model: nn.Module, optimizer, scheduler, state: TrainState, meta: dict, scaler=None
+) -> dict:
     """What goes into a checkpoint. `model` is the unwrapped module, so keys carry no prefixes;
-    the state-dict API keys optimizer state by parameter name rather than position."""
+    the state-dict API keys optimizer state by parameter name rather than position. `scaler`:
+    fp16's GradScaler, whose loss scale a resumed run must continue from."""
     model_state, optim_state = get_state_dict(model, optimizer)
+    extra = {} if scaler is None else {"scaler": scaler.state_dict()}
     return {
         "format_version": FORMAT_VERSION,
         "model": _to_cpu(model_state),
@@ -114,6 +118,7 @@ def payload(model: nn.Module, optimizer, scheduler, state: TrainState, meta: dic
         "epoch_step": state.epoch_step,
         "train_sums": state.train_sums,
         **meta,
+        **extra,
     }
 
 
@@ -209,8 +214,9 @@ def check_compatible(checkpoint: dict, path: Path, arch: str, class_to_idx: dict
         raise UserError(f"--resume: {path} was trained on other classes than the data ({detail})")
 
 
-def restore(checkpoint: dict, model: nn.Module, optimizer, scheduler) -> TrainState:
-    """Loads weights (strictly) and, when present, optimizer and schedule into unwrapped model."""
+def restore(checkpoint: dict, model: nn.Module, optimizer, scheduler, scaler=None) -> TrainState:
+    """Loads weights (strictly) and, when present, optimizer, schedule and gradient scaler into
+    unwrapped model."""
     try:
         if optimizer is not None and "optimizer" in checkpoint:
             set_state_dict(
@@ -227,6 +233,8 @@ def restore(checkpoint: dict, model: nn.Module, optimizer, scheduler) -> TrainSt
         ) from None
     if scheduler is not None and "scheduler" in checkpoint:
         scheduler.load_state_dict(checkpoint["scheduler"])
+    if scaler is not None and "scaler" in checkpoint:
+        scaler.load_state_dict(checkpoint["scaler"])
     return TrainState(
         epoch=int(checkpoint.get("epoch", 0)),
         global_step=int(checkpoint.get("global_step", 0)),

@@ -160,9 +160,7 @@ def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Pat
         optim.fast_forward(scheduler, config.start_epoch)
         state = TrainState(epoch=config.start_epoch)
     else:
-        state = checkpoint.restore(saved, model, optimizer, scheduler)
-        if precision.scaler is not None and "scaler" in saved:
-            precision.scaler.load_state_dict(saved["scaler"])
+        state = checkpoint.restore(saved, model, optimizer, scheduler, precision.scaler)
         if env.is_main:
             print(
                 f"resumed from {resume} (epoch {state.epoch}, step {state.epoch_step} of the "

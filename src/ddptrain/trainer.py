@@ -104,9 +104,9 @@ def save(run: Run, state: TrainState, is_best: bool = False) -> None:
     train sums, which every rank contributed to)."""
     env = run.env
     if env.is_main:
-        ckpt = checkpoint.payload(unwrap(run.model), run.optimizer, run.scheduler, state, run.meta)
-        if run.precision.scaler is not None:
-            ckpt["scaler"] = run.precision.scaler.state_dict()
+        model = unwrap(run.model)
+        scaler = run.precision.scaler
+        ckpt = checkpoint.payload(model, run.optimizer, run.scheduler, state, run.meta, scaler)
         out_dir = run.log.path.parent
         checkpoint.save(out_dir, ckpt, is_best, run.config.keep_last)
         # Written with the checkpoint, not before: a run that fails early changes nothing.

@@ -182,3 +182,24 @@ def test_incompatible_checkpoints_are_named(tmp_path):
         UserError, match=r"only in the checkpoint: \['c'\]; only in the data: \['d'\]"
     ):
         checkpoint.check_compatible(saved, tmp_path, "resnet18", {"a": 0, "b": 1, "d": 2})
+
+
+def test_the_gradient_scaler_is_saved_and_restored(tmp_path):
+    """fp16 runs on CUDA only; the CPU GradScaler has the same state dict and code path."""
+    model, optimizer, scheduler = trained_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    loss = model(torch.randn(2, 3, 32, 32)).logsumexp(1).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()  # a finite step with growth_interval 1: the scale doubles
+    state = TrainState(global_step=1)
+    payload = checkpoint.payload(model, optimizer, scheduler, state, meta(), scaler)
+    checkpoint.save(tmp_path, payload, False, keep_last=2)
+
+    fresh = torchvision.models.get_model("resnet18", num_classes=3)
+    fresh_opt, fresh_sched = optim.build(fresh, Config(lr=0.1))
+    fresh_scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1)
+    saved = checkpoint.load(tmp_path / "checkpoint.pt")
+    checkpoint.restore(saved, fresh, fresh_opt, fresh_sched, fresh_scaler)
+    assert scaler.get_scale() == 2048.0
+    assert fresh_scaler.state_dict() == scaler.state_dict()
