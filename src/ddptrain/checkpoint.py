@@ -14,6 +14,7 @@ deletes the oldest beyond --keep-last. `model_best.pt` is a separate copy.
 
 import io
 import os
+import pickle
 import re
 import sys
 import tempfile
@@ -188,12 +189,26 @@ def _verify(path: Path) -> None:
         raise UserError(f"{path} is damaged: checksum mismatch in {bad}")
 
 
+def safe_load(path: Path, what: str, mmap: bool = False) -> object:
+    """torch.load with weights_only=True: tensors and plain data only, never code. The one way
+    ddptrain reads a file torch.save wrote. `what` names the file in errors ("checkpoint")."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        # torch's message advises weights_only=False, which is what a hostile file wants.
+        found = re.search(r"GLOBAL (\S+)", str(err))
+        detail = f"it refers to {found[1]}" if found else first_line(err)
+        raise UserError(
+            f"{path} is not a readable {what}: {detail}, and ddptrain loads only tensors and "
+            "plain data, never code"
+        ) from None
+    except Exception as err:  # a torn or foreign file: either way not one to use
+        raise UserError(f"{path} is not a readable {what} ({first_line(err)})") from None
+
+
 def load(path: Path, mmap: bool = False) -> dict:
     _verify(path)
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as err:  # a torn, foreign or unsafe file: all mean "not a usable checkpoint"
-        raise UserError(f"{path} is not a readable ddptrain checkpoint ({err})") from None
+    checkpoint = safe_load(path, "ddptrain checkpoint", mmap=mmap)
     if not isinstance(checkpoint, dict) or "model" not in checkpoint:
         raise UserError(f"{path} is not a ddptrain checkpoint (no 'model' entry)")
     return checkpoint

@@ -1,9 +1,14 @@
 """Models by torchvision name, optionally from the architecture's default weights."""
 
+import hashlib
+from pathlib import Path
+from urllib.parse import urlparse
+
 import torch
 import torchvision
 from torch import nn
 
+from ddptrain.checkpoint import safe_load
 from ddptrain.distributed import DistEnv, rank0_first
 from ddptrain.errors import UserError, first_line
 
@@ -36,15 +41,46 @@ def build(arch: str, num_classes: int, image_size: int, pretrained: bool) -> nn.
 
 
 def _pretrained_state(arch: str, show_progress: bool) -> dict[str, torch.Tensor]:
+    """The arch's default weights from torch hub's cache, downloaded there when absent.
+
+    Not through `weights.get_state_dict`: torch hub unpickles a cached file with
+    weights_only=False and checks its hash only while downloading it, so a file planted in the
+    cache would run its code. Here the cached file must match the hash its published name
+    carries, and is loaded with weights_only=True all the same.
+    """
     weights = torchvision.models.get_model_weights(arch).DEFAULT
-    try:
-        return weights.get_state_dict(progress=show_progress, check_hash=True)
-    except (OSError, RuntimeError) as err:  # URLError is an OSError; a bad hash a RuntimeError
-        cache = torch.hub.get_dir() + "/checkpoints/"
+    name = Path(urlparse(weights.url).path).name
+    path = Path(torch.hub.get_dir()) / "checkpoints" / name
+    published = torch.hub.HASH_REGEX.search(name)
+    if not path.is_file():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Writes a temp file, checks the hash, then renames: never a torn or unverified file.
+            torch.hub.download_url_to_file(
+                weights.url, str(path), published and published[1], progress=show_progress
+            )
+        except (OSError, RuntimeError) as err:  # URLError is an OSError; a bad hash a RuntimeError
+            raise UserError(
+                f"--pretrained: cannot get the {arch} weights from {weights.url} ({err}); "
+                f"offline, put that file in {path.parent}"
+            ) from None
+    if published and not _sha256(path).startswith(published[1]):
         raise UserError(
-            f"--pretrained: cannot get the {arch} weights from {weights.url} ({err}); "
-            f"offline, put that file in {cache}"
-        ) from None
+            f"--pretrained: {path} does not match the published hash of the {arch} weights "
+            f"({published[1]}), so it was not loaded; delete it to download it again"
+        )
+    try:
+        return safe_load(path, f"{arch} weights file")
+    except UserError as err:
+        raise UserError(f"--pretrained: {err}") from None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def load_pretrained(model: nn.Module, arch: str, env: DistEnv) -> None:

@@ -138,7 +138,7 @@ def _seed_everything(seed: int, env: DistEnv) -> None:
 def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Path | None):
     """Everything that may fail on some ranks only. No collectives in here."""
     if env.is_main:
-        _check_out_dir(out_dir, resume, config.evaluate)
+        _check_out_dir(out_dir, resume, config.evaluate, config.resume == "auto")
     saved = None if resume is None else _load(resume)
     if saved is not None:
         seed = int(saved.get("data_seed", seed))
@@ -190,7 +190,7 @@ def _check_position(saved: dict, config: Config) -> None:
         )
 
 
-def _check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool) -> None:
+def _check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool, auto: bool) -> None:
     """A writable out-dir, holding no checkpoint but the one this run continues."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -204,6 +204,12 @@ def _check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool) -> None:
     earlier = [out_dir / checkpoint.LATEST, *checkpoint.numbered(out_dir)]
     earlier = [p for p in earlier if p.exists()]
     continues = resume is not None and any(p.samefile(resume) for p in earlier)
+    if earlier and not continues and auto:
+        raise UserError(
+            f"--resume auto: no usable checkpoint in --out-dir {out_dir} (see the warnings), "
+            f"yet it holds {earlier[0].name}: move the unusable files away, or choose another "
+            "--out-dir"
+        )
     if earlier and not continues:
         raise UserError(
             f"--out-dir {out_dir} already holds {earlier[0].name} of an earlier run: continue "
