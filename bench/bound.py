@@ -14,11 +14,15 @@ from pathlib import Path
 
 import torch
 
-from ddptrain import data, distributed, models, optim, trainer
-from ddptrain.checkpoint import TrainState
 from ddptrain.config import Config
-from ddptrain.precision import resolve_precision
-from ddptrain.preempt import StopRequests
+from ddptrain.data.loaders import Data, build_data
+from ddptrain.dist.env import init_distributed
+from ddptrain.model.build import build_model
+from ddptrain.model.precision import resolve_precision
+from ddptrain.state.files import TrainState
+from ddptrain.train.optim import build_optimizer
+from ddptrain.train.preempt import StopRequests
+from ddptrain.train.trainer import Run, train_epoch
 
 
 class Preloaded:
@@ -36,11 +40,8 @@ def train_epochs(run_parts: tuple, epochs: int) -> list[float]:
     """samples/s of each of `epochs` epochs of trainer.train_epoch over trainer.Run(*run_parts,
     stop requests)."""
     with StopRequests(run_parts[1]) as stop:
-        run = trainer.Run(*run_parts, stop)
-        return [
-            trainer.train_epoch(run, e, TrainState(epoch=e))["samples_per_sec"]
-            for e in range(epochs)
-        ]
+        run = Run(*run_parts, stop)
+        return [train_epoch(run, e, TrainState(epoch=e))["samples_per_sec"] for e in range(epochs)]
 
 
 def main() -> None:
@@ -68,16 +69,16 @@ def main() -> None:
         device=args.device,
         print_freq=10**9,
     )
-    env = distributed.init(config)  # the thread count the CLI would choose, workers counted
+    env = init_distributed(config)  # the thread count the CLI would choose, workers counted
     # The batches one epoch of the real loader yields, decoded up front.
-    loaders = data.build(dataclasses.replace(config, workers=0), env, Path(args.data), seed=0)
+    loaders = build_data(dataclasses.replace(config, workers=0), env, Path(args.data), seed=0)
     steps = loaders.train_sampler.steps
     batches = list(itertools.islice(loaders.train_loader, steps))
-    model = models.build(config.arch, loaders.num_classes, config.image_size, pretrained=False)
+    model = build_model(config.arch, loaders.num_classes, config.image_size, pretrained=False)
     precision = resolve_precision(config, None, model, env.device)
     model = precision.place(model, env.device)
-    optimizer, scheduler = optim.build(model, config)
-    feed = data.Data(batches, Preloaded([steps] * args.epochs), [], 0, loaders.class_to_idx)
+    optimizer, scheduler = build_optimizer(model, config)
+    feed = Data(batches, Preloaded([steps] * args.epochs), [], 0, loaders.class_to_idx)
     parts = (config, env, feed, model, optimizer, scheduler, {}, None, 0, precision, {})
     rates = train_epochs(parts, args.epochs)
     print(json.dumps({"samples_per_sec": rates, "threads": torch.get_num_threads()}))

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
+from ddptrain.data.synth import SynthSpec, write
 from ddptrain.faults import POINTS
-from ddptrain.synth import SynthSpec, write
 
 STEPS_PER_EPOCH, EPOCHS, EVERY = 6, 2, 3  # 48 images, global batch 8
 RESULTS = Path(__file__).parent / "results" / "kill_trials.json"

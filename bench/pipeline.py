@@ -20,10 +20,10 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
 from bench import common
-from ddptrain import data
 from ddptrain.config import Config
-from ddptrain.distributed import DistEnv
-from ddptrain.precision import Precision
+from ddptrain.data.loaders import MEAN, STD, build_data
+from ddptrain.dist.env import DistEnv
+from ddptrain.model.precision import Precision
 
 TARGET = 1.8
 CPU = torch.device("cpu")
@@ -35,7 +35,7 @@ def classic_loader(root: Path, s: common.Scale) -> DataLoader:
             transforms.RandomResizedCrop(s.image_size),
             transforms.RandomHorizontalFlip(),
             transforms.ToTensor(),
-            transforms.Normalize(data.MEAN, data.STD),
+            transforms.Normalize(MEAN, STD),
         ]
     )
     train = datasets.ImageFolder(str(root / "train"), preset)
@@ -45,7 +45,7 @@ def classic_loader(root: Path, s: common.Scale) -> DataLoader:
 def ddptrain_loader(root: Path, s: common.Scale) -> DataLoader:
     config = Config(data=str(root), batch_size=s.batch, workers=0, image_size=s.image_size)
     env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=CPU)
-    return data.build(config, env, root, seed=0).train_loader
+    return build_data(config, env, root, seed=0).train_loader
 
 
 def images_per_sec(loader: DataLoader, finish=lambda images: images, passes: int = 2) -> float:

@@ -17,9 +17,13 @@ import torch
 
 from bench import common
 from bench.bound import Preloaded, train_epochs
-from ddptrain import data, distributed, models, optim, parallelize
 from ddptrain.config import Config
-from ddptrain.precision import resolve_precision
+from ddptrain.data.loaders import Data
+from ddptrain.dist.env import init_distributed, teardown_distributed
+from ddptrain.model.build import build_model
+from ddptrain.model.parallelize import wrap
+from ddptrain.model.precision import resolve_precision
+from ddptrain.train.optim import build_optimizer
 
 TARGET = 1.9
 CLASSES = 10
@@ -35,7 +39,7 @@ def rank_main(batch: int, image_size: int, steps: int, sync: bool) -> None:
         dummy=True, batch_size=batch, workers=0, image_size=image_size, amp="bf16",
         device="cpu", lr=0.1 * batch / 256, print_freq=10**9, epochs=2,
     )  # fmt: skip
-    env = distributed.init(config)
+    env = init_distributed(config)
     try:
         per_rank = batch // env.world_size
         generator = torch.Generator().manual_seed(env.rank)
@@ -47,19 +51,19 @@ def rank_main(batch: int, image_size: int, steps: int, sync: bool) -> None:
             )
             for _ in range(max(steps, WARMUP_STEPS))
         ]
-        model = models.build("resnet18", CLASSES, image_size, pretrained=False)
+        model = build_model("resnet18", CLASSES, image_size, pretrained=False)
         precision = resolve_precision(config, None, model, env.device)
         model = precision.place(model, env.device)
         if sync:
-            model = parallelize.wrap(model, env, gpu_pinned=False)
-        optimizer, scheduler = optim.build(model, config)
-        feed = data.Data(batches, Preloaded([WARMUP_STEPS, steps]), [], 0, {})
+            model = wrap(model, env, gpu_pinned=False)
+        optimizer, scheduler = build_optimizer(model, config)
+        feed = Data(batches, Preloaded([WARMUP_STEPS, steps]), [], 0, {})
         parts = (config, env, feed, model, optimizer, scheduler, {}, None, 0, precision, {})
         rates = train_epochs(parts, 2)
         if env.is_main:
             print(json.dumps({"samples_per_sec": rates, "threads": torch.get_num_threads()}))
     finally:
-        distributed.teardown()
+        teardown_distributed()
 
 
 def measure(ranks: int, s: common.Scale, steps: int, sync: bool = True) -> float:

@@ -5,7 +5,7 @@ import pytest
 # Tests share two cores: one thread per process keeps multi-rank tests from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from ddptrain.synth import SynthSpec, write  # noqa: E402
+from ddptrain.data.synth import SynthSpec, write  # noqa: E402
 
 TINY = SynthSpec(classes=3, train_per_class=8, val_per_class=5, size=24, seed=0)
 

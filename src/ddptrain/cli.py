@@ -3,8 +3,8 @@
 import argparse
 
 from ddptrain.config import Config
+from ddptrain.data.synth import SynthSpec
 from ddptrain.errors import report_errors
-from ddptrain.synth import SynthSpec
 
 
 class _Parser(argparse.ArgumentParser):
@@ -184,16 +184,16 @@ def parse(argv: list[str] | None = None) -> tuple[str, object]:
 def _run(argv: list[str] | None) -> None:
     command, options = parse(argv)
     if command == "synth":
-        from ddptrain import synth
+        from ddptrain.data.synth import write
 
         spec, out = options
-        synth.write(spec, out, progress=True)
+        write(spec, out, progress=True)
         print(f"wrote {spec.describe()} to {out}")
         return
     if options.multiprocessing_distributed:
-        from ddptrain import launch
+        from ddptrain.dist.launch import spawn
 
-        code = launch.spawn(options)
+        code = spawn(options)
         if code:
             raise SystemExit(code)
         return

@@ -15,47 +15,60 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddptrain import (
-    checkpoint,
-    data,
-    distributed,
-    models,
-    optim,
-    parallelize,
-    synth,
-    trainer,
-)
-from ddptrain.checkpoint import TrainState
 from ddptrain.config import Config
-from ddptrain.distributed import DistEnv, SpawnSlot
+from ddptrain.data.loaders import Data, build_data
+from ddptrain.data.synth import ensure_builtin
+from ddptrain.dist.env import (
+    DistEnv,
+    SpawnSlot,
+    agree,
+    check_same,
+    from_rank0,
+    init_distributed,
+    teardown_distributed,
+)
 from ddptrain.errors import UserError
-from ddptrain.metrics import MetricsLog
-from ddptrain.precision import resolve_precision
-from ddptrain.preempt import StopRequests
+from ddptrain.model.build import build_model, load_pretrained
+from ddptrain.model.parallelize import wrap
+from ddptrain.model.precision import resolve_precision
+from ddptrain.report.metrics import MetricsLog
+from ddptrain.state.files import (
+    LATEST,
+    TrainState,
+    check_compatible,
+    load,
+    numbered,
+    remove_stale_temp_files,
+    resolve,
+    restore,
+)
+from ddptrain.train import trainer
+from ddptrain.train.optim import build_optimizer, fast_forward
+from ddptrain.train.preempt import StopRequests
 
 
 def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
     """Runs the configured job on this process. Importable: any launcher can call it."""
-    env = distributed.init(config, slot)
+    env = init_distributed(config, slot)
     try:
         return _train(config, env)
     finally:
-        distributed.teardown()
+        teardown_distributed()
 
 
 def _train(config: Config, env: DistEnv) -> TrainState:
     config.check_batch_divides(env.world_size)
     out_dir = Path(config.out_dir)
-    seed = distributed.from_rank0(env, lambda: _data_seed(config))
-    resume = distributed.from_rank0(env, lambda: checkpoint.resolve(config.resume, out_dir))
+    seed = from_rank0(env, lambda: _data_seed(config))
+    resume = from_rank0(env, lambda: resolve(config.resume, out_dir))
     if config.seed is not None:
         _seed_everything(config.seed, env)
 
-    loaders, model, optimizer, scheduler, state, precision, seed = distributed.agree(
+    loaders, model, optimizer, scheduler, state, precision, seed = agree(
         env, lambda: _prepare(config, env, out_dir, seed, resume)
     )
     train_samples = loaders.train_sampler.num_samples if loaders.train_sampler else 0
-    distributed.check_same(
+    check_same(
         env,
         {
             "train images": train_samples,
@@ -67,8 +80,8 @@ def _train(config: Config, env: DistEnv) -> TrainState:
     )
 
     if config.pretrained and resume is None:
-        models.load_pretrained(model, config.arch, env)
-    model = parallelize.wrap(model, env, gpu_pinned=config.gpu is not None)
+        load_pretrained(model, config.arch, env)
+    model = wrap(model, env, gpu_pinned=config.gpu is not None)
     if precision.compile:
         model = torch.compile(model)
     meta, resolved = _records(config, env, loaders, precision, seed)
@@ -100,7 +113,7 @@ def _train(config: Config, env: DistEnv) -> TrainState:
         return trainer.fit(run, state)
 
 
-def _records(config: Config, env: DistEnv, loaders: data.Data, precision, seed: int):
+def _records(config: Config, env: DistEnv, loaders: Data, precision, seed: int):
     """What every checkpoint carries besides state, and what config.json holds."""
     # The resolved precision, so a resumed run keeps it unless flags say otherwise.
     settings = {**config.to_dict(), **precision.settings()}
@@ -143,24 +156,24 @@ def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Pat
     if saved is not None:
         seed = int(saved.get("data_seed", seed))
         _check_position(saved, config)
-    loaders = data.build(config, env, _data_root(config, env), seed)
+    loaders = build_data(config, env, _data_root(config, env), seed)
     if saved is not None:
-        checkpoint.check_compatible(saved, resume, config.arch, loaders.class_to_idx)
+        check_compatible(saved, resume, config.arch, loaders.class_to_idx)
     saved_config = None if saved is None else saved.get("config")
-    model = models.build(config.arch, loaders.num_classes, config.image_size, config.pretrained)
+    model = build_model(config.arch, loaders.num_classes, config.image_size, config.pretrained)
     precision = resolve_precision(config, saved_config, model, env.device)
     # On the device before the optimizer exists, so restored optimizer state lands there too.
     model = precision.place(model, env.device)
-    optimizer, scheduler = optim.build(model, config)
+    optimizer, scheduler = build_optimizer(model, config)
     if saved is None:
         if config.evaluate and not config.pretrained:
             raise UserError(f"--evaluate: no checkpoint to evaluate in {out_dir}")
         if config.resume == "auto" and env.is_main:
             print(f"--resume auto: no checkpoint in {out_dir}, starting fresh", flush=True)
-        optim.fast_forward(scheduler, config.start_epoch)
+        fast_forward(scheduler, config.start_epoch)
         state = TrainState(epoch=config.start_epoch)
     else:
-        state = checkpoint.restore(saved, model, optimizer, scheduler, precision.scaler)
+        state = restore(saved, model, optimizer, scheduler, precision.scaler)
         if env.is_main:
             print(
                 f"resumed from {resume} (epoch {state.epoch}, step {state.epoch_step} of the "
@@ -174,7 +187,7 @@ def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Pat
 
 def _load(path: Path) -> dict:
     try:
-        return checkpoint.load(path)
+        return load(path)
     except UserError as err:
         raise UserError(f"--resume: {err}") from None
 
@@ -200,8 +213,8 @@ def _check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool, auto: boo
         raise UserError(f"--out-dir {out_dir} is not writable")
     if evaluate:
         return
-    checkpoint.remove_stale_temp_files(out_dir)
-    earlier = [out_dir / checkpoint.LATEST, *checkpoint.numbered(out_dir)]
+    remove_stale_temp_files(out_dir)
+    earlier = [out_dir / LATEST, *numbered(out_dir)]
     earlier = [p for p in earlier if p.exists()]
     continues = resume is not None and any(p.samefile(resume) for p in earlier)
     if earlier and not continues and auto:
@@ -221,7 +234,7 @@ def _data_root(config: Config, env: DistEnv) -> Path | None:
     if config.dummy:
         return None
     if config.data is None:
-        return synth.ensure_builtin(log=env.is_main)
+        return ensure_builtin(log=env.is_main)
     root = Path(config.data)
     if not root.is_dir():
         raise UserError(

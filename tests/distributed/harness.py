@@ -8,7 +8,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from ddptrain.distributed import DistEnv
+from ddptrain.dist.env import DistEnv
 
 
 def _free_port() -> int:

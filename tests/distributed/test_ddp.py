@@ -3,19 +3,23 @@ import torch
 from harness import run_ranks
 from torch import nn
 
-from ddptrain import data, distributed, models, parallelize, trainer
 from ddptrain.config import Config
+from ddptrain.data.loaders import build_data
+from ddptrain.dist.env import agree, check_same, from_rank0, rank0_first
 from ddptrain.errors import UserError
-from ddptrain.precision import Precision
+from ddptrain.model.build import build_model
+from ddptrain.model.parallelize import unwrap, wrap
+from ddptrain.model.precision import Precision
+from ddptrain.train import trainer
 
 
 def flat_params(model):
-    return torch.cat([p.detach().flatten() for p in parallelize.unwrap(model).parameters()])
+    return torch.cat([p.detach().flatten() for p in unwrap(model).parameters()])
 
 
 def one_step_with_rank_specific_data(env):
     torch.manual_seed(100 + env.rank)  # different initial weights: DDP must broadcast rank 0's
-    model = parallelize.wrap(models.build("resnet18", 3, 16, False), env, gpu_pinned=False)
+    model = wrap(build_model("resnet18", 3, 16, False), env, gpu_pinned=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     images, target = torch.randn(4, 3, 16, 16), torch.randint(0, 3, (4,))
     trainer.train_step(model, nn.CrossEntropyLoss(), optimizer, images, target)
@@ -36,8 +40,8 @@ def bn_free_model():
 
 def train_one_epoch(env, root):
     config = Config(data=str(root), batch_size=8, workers=0, image_size=16)
-    loaders = data.build(config, env, root, seed=11)
-    model = parallelize.wrap(bn_free_model(), env, gpu_pinned=False)
+    loaders = build_data(config, env, root, seed=11)
+    model = wrap(bn_free_model(), env, gpu_pinned=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     loaders.train_sampler.set_epoch(0)
     for images, target in loaders.train_loader:
@@ -60,9 +64,9 @@ def bn_free_model_params():
 
 def evaluate(env, root):
     config = Config(data=str(root), batch_size=6, workers=0, image_size=16)
-    loaders = data.build(config, env, root, seed=0)
+    loaders = build_data(config, env, root, seed=0)
     torch.manual_seed(0)
-    model = models.build("resnet18", 3, 16, False)
+    model = build_model("resnet18", 3, 16, False)
     return trainer.evaluate(model, loaders.val_loader, env, nn.CrossEntropyLoss())
 
 
@@ -95,7 +99,7 @@ def fails_on_rank_1(env, error):
 
 
 def setup_failing_on_rank_1(env):
-    return outcome(lambda: distributed.agree(env, fails_on_rank_1(env, UserError("no checkpoint"))))
+    return outcome(lambda: agree(env, fails_on_rank_1(env, UserError("no checkpoint"))))
 
 
 def test_a_setup_error_on_one_rank_is_raised_on_every_rank():
@@ -105,7 +109,7 @@ def test_a_setup_error_on_one_rank_is_raised_on_every_rank():
 
 
 def bug_on_rank_1(env):
-    return outcome(lambda: distributed.agree(env, fails_on_rank_1(env, KeyError("a bug"))))
+    return outcome(lambda: agree(env, fails_on_rank_1(env, KeyError("a bug"))))
 
 
 def test_any_failure_on_one_rank_ends_every_rank_and_keeps_its_own_type():
@@ -116,7 +120,7 @@ def test_any_failure_on_one_rank_ends_every_rank_and_keeps_its_own_type():
 
 def download_failing_on_rank_1(env):
     fetch = fails_on_rank_1(env, UserError("no network on this node"))
-    return outcome(lambda: distributed.rank0_first(env, fetch))
+    return outcome(lambda: rank0_first(env, fetch))
 
 
 def test_a_download_failing_after_rank_0_ends_every_rank():
@@ -127,7 +131,7 @@ def test_a_download_failing_after_rank_0_ends_every_rank():
 
 def facts_differing_on_rank_1(env):
     facts = {"train images": 100 + env.rank, "classes": {"a": 0}}
-    return outcome(lambda: distributed.check_same(env, facts))
+    return outcome(lambda: check_same(env, facts))
 
 
 def test_ranks_that_read_different_data_all_stop():
@@ -137,7 +141,7 @@ def test_ranks_that_read_different_data_all_stop():
 
 
 def decided_by_rank_0(env):
-    return distributed.from_rank0(env, lambda: f"rank {env.rank} decides")
+    return from_rank0(env, lambda: f"rank {env.rank} decides")
 
 
 def test_rank_0_decides_for_all():

@@ -8,12 +8,15 @@ import torch
 from harness import run_ranks
 from test_ddp import bn_free_model, flat_params
 
-from ddptrain import checkpoint, data, optim, parallelize, trainer
-from ddptrain.checkpoint import TrainState
 from ddptrain.config import Config
-from ddptrain.metrics import MetricsLog
-from ddptrain.precision import Precision
-from ddptrain.preempt import StopRequests
+from ddptrain.data.loaders import build_data
+from ddptrain.model.parallelize import unwrap, wrap
+from ddptrain.model.precision import Precision
+from ddptrain.report.metrics import MetricsLog
+from ddptrain.state.files import TrainState, load, restore
+from ddptrain.train import trainer
+from ddptrain.train.optim import build_optimizer
+from ddptrain.train.preempt import StopRequests
 
 
 def fit(env, root, out_dir, resume=None):
@@ -23,13 +26,13 @@ def fit(env, root, out_dir, resume=None):
         data=str(root), batch_size=8, workers=0, image_size=16, epochs=2, print_freq=100,
         checkpoint_every=2, keep_last=10, lr=0.5, out_dir=str(out_dir),
     )  # fmt: skip
-    loaders = data.build(config, env, root, seed=11)
-    model = parallelize.wrap(bn_free_model(), env, gpu_pinned=False)
-    optimizer, scheduler = optim.build(model, config)
+    loaders = build_data(config, env, root, seed=11)
+    model = wrap(bn_free_model(), env, gpu_pinned=False)
+    optimizer, scheduler = build_optimizer(model, config)
     state = TrainState()
     if resume is not None:
-        saved = checkpoint.load(resume)
-        state = checkpoint.restore(saved, parallelize.unwrap(model), optimizer, scheduler)
+        saved = load(resume)
+        state = restore(saved, unwrap(model), optimizer, scheduler)
     meta = {"arch": "bn_free", "num_classes": 3, "class_to_idx": loaders.class_to_idx}
     meta["config"] = config.to_dict()
     with StopRequests(env) as stop:
@@ -61,7 +64,7 @@ def test_a_mid_epoch_checkpoint_resumes_on_another_world_size(
     straight, straight_dir = straight
     run_ranks(fit, before, tiny_data, tmp_path / "first")
     mid_epoch = tmp_path / "first" / f"checkpoint-{step:09d}.pt"
-    assert checkpoint.load(mid_epoch)["epoch_step"] == (1 if step == 4 else 2)
+    assert load(mid_epoch)["epoch_step"] == (1 if step == 4 else 2)
     resumed = run_ranks(fit, after, tiny_data, tmp_path / "resumed", mid_epoch)
 
     assert not torch.equal(straight, flat_params(bn_free_model()))  # it trained

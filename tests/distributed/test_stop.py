@@ -5,7 +5,7 @@ import signal
 
 from harness import run_ranks
 
-from ddptrain.preempt import StopRequests
+from ddptrain.train.preempt import StopRequests
 
 
 def _boundary_of_stop(env, signalled_rank, signal_at):

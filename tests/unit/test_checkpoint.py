@@ -5,11 +5,12 @@ import torch
 import torchvision
 from torch import nn
 
-from ddptrain import checkpoint, optim
-from ddptrain.checkpoint import TrainState
 from ddptrain.config import Config
 from ddptrain.errors import UserError
-from ddptrain.parallelize import unwrap
+from ddptrain.model.parallelize import unwrap
+from ddptrain.state import files
+from ddptrain.state.files import TrainState
+from ddptrain.train.optim import build_optimizer
 
 CLASSES = {"a": 0, "b": 1, "c": 2}
 
@@ -17,7 +18,7 @@ CLASSES = {"a": 0, "b": 1, "c": 2}
 def trained_model():
     torch.manual_seed(0)
     model = torchvision.models.get_model("resnet18", num_classes=3)
-    optimizer, scheduler = optim.build(model, Config(lr=0.1))
+    optimizer, scheduler = build_optimizer(model, Config(lr=0.1))
     loss = model(torch.randn(4, 3, 32, 32)).logsumexp(1).mean()
     loss.backward()
     optimizer.step()
@@ -32,17 +33,15 @@ def meta():
 def test_round_trip_restores_weights_optimizer_schedule_and_state(tmp_path):
     model, optimizer, scheduler = trained_model()
     state = TrainState(epoch=3, global_step=30, best_acc1=42.5)
-    payload = checkpoint.payload(model, optimizer, scheduler, state, meta())
-    checkpoint.save(tmp_path, payload, True, keep_last=2)
+    payload = files.payload(model, optimizer, scheduler, state, meta())
+    files.save(tmp_path, payload, True, keep_last=2)
 
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert saved["format_version"] == checkpoint.FORMAT_VERSION
+    assert saved["format_version"] == files.FORMAT_VERSION
     assert (tmp_path / "model_best.pt").read_bytes() == (tmp_path / "checkpoint.pt").read_bytes()
     fresh = torchvision.models.get_model("resnet18", num_classes=3)
-    fresh_opt, fresh_sched = optim.build(fresh, Config(lr=0.1))
-    restored = checkpoint.restore(
-        checkpoint.load(tmp_path / "checkpoint.pt"), fresh, fresh_opt, fresh_sched
-    )
+    fresh_opt, fresh_sched = build_optimizer(fresh, Config(lr=0.1))
+    restored = files.restore(files.load(tmp_path / "checkpoint.pt"), fresh, fresh_opt, fresh_sched)
 
     assert restored == state
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
@@ -56,7 +55,7 @@ def test_round_trip_restores_weights_optimizer_schedule_and_state(tmp_path):
 def test_saved_keys_have_no_wrapper_prefix_and_load_strictly(tmp_path):
     model, optimizer, scheduler = trained_model()
     wrapped = nn.DataParallel(model)  # a wrapper that adds `module.` on CPU too
-    payload = checkpoint.payload(unwrap(wrapped), optimizer, scheduler, TrainState(), meta())
+    payload = files.payload(unwrap(wrapped), optimizer, scheduler, TrainState(), meta())
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in payload["model"])
     assert all(v.device.type == "cpu" for v in payload["model"].values())
     torchvision.models.get_model("resnet18", num_classes=3).load_state_dict(payload["model"])
@@ -64,9 +63,9 @@ def test_saved_keys_have_no_wrapper_prefix_and_load_strictly(tmp_path):
 
 def test_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     model, optimizer, scheduler = trained_model()
-    checkpoint.save(
+    files.save(
         tmp_path,
-        checkpoint.payload(model, optimizer, scheduler, TrainState(epoch=1), meta()),
+        files.payload(model, optimizer, scheduler, TrainState(epoch=1), meta()),
         False,
         keep_last=2,
     )
@@ -77,16 +76,14 @@ def test_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", crash)
     with pytest.raises(OSError, match="disk full"):
-        checkpoint.save(
+        files.save(
             tmp_path,
-            checkpoint.payload(
-                model, optimizer, scheduler, TrainState(epoch=2, global_step=5), meta()
-            ),
+            files.payload(model, optimizer, scheduler, TrainState(epoch=2, global_step=5), meta()),
             False,
             keep_last=2,
         )
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
-    assert checkpoint.load(tmp_path / "checkpoint.pt")["epoch"] == 1
+    assert files.load(tmp_path / "checkpoint.pt")["epoch"] == 1
     # no temp file left
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint-000000000.pt",
@@ -98,40 +95,40 @@ def test_garbage_and_unsafe_files_are_refused(tmp_path):
     torn = tmp_path / "torn.pt"
     torn.write_bytes(b"PK\x03\x04 not really")
     with pytest.raises(UserError, match="torn.pt"):
-        checkpoint.load(torn)
+        files.load(torn)
     unsafe = tmp_path / "unsafe.pt"
     torch.save({"model": {}, "payload": Config()}, unsafe)  # an arbitrary object needs unpickling
     with pytest.raises(UserError, match="unsafe.pt"):
-        checkpoint.load(unsafe)
+        files.load(unsafe)
 
 
 def save_steps(out_dir, steps, keep_last=2, best_at=()):
     model, optimizer, scheduler = trained_model()
     for step in steps:
         state = TrainState(epoch=step // 10, global_step=step, epoch_step=step % 10)
-        payload = checkpoint.payload(model, optimizer, scheduler, state, meta())
-        checkpoint.save(out_dir, payload, step in best_at, keep_last)
+        payload = files.payload(model, optimizer, scheduler, state, meta())
+        files.save(out_dir, payload, step in best_at, keep_last)
 
 
 def test_the_newest_keep_last_are_kept_and_checkpoint_pt_is_the_newest(tmp_path):
     save_steps(tmp_path, [4, 8, 12, 16], keep_last=3, best_at=(8,))
-    assert [p.name for p in checkpoint.numbered(tmp_path)] == [
+    assert [p.name for p in files.numbered(tmp_path)] == [
         "checkpoint-000000016.pt",
         "checkpoint-000000012.pt",
         "checkpoint-000000008.pt",
     ]
     assert (tmp_path / "checkpoint.pt").samefile(tmp_path / "checkpoint-000000016.pt")
-    assert checkpoint.load(tmp_path / "model_best.pt")["global_step"] == 8
+    assert files.load(tmp_path / "model_best.pt")["global_step"] == 8
     assert not (tmp_path / "model_best.pt").samefile(tmp_path / "checkpoint-000000008.pt")
 
 
 def test_resolve(tmp_path):
-    assert checkpoint.resolve(None, tmp_path) is None
-    assert checkpoint.resolve("auto", tmp_path) is None
+    assert files.resolve(None, tmp_path) is None
+    assert files.resolve("auto", tmp_path) is None
     save_steps(tmp_path, [3])
-    assert checkpoint.resolve("auto", tmp_path) == tmp_path / "checkpoint-000000003.pt"
+    assert files.resolve("auto", tmp_path) == tmp_path / "checkpoint-000000003.pt"
     with pytest.raises(UserError, match="nothere.pt"):
-        checkpoint.resolve(str(tmp_path / "nothere.pt"), tmp_path)
+        files.resolve(str(tmp_path / "nothere.pt"), tmp_path)
 
 
 def flip_a_byte(path, where):
@@ -155,9 +152,9 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint_and_names_it(tmp_path, ca
     (tmp_path / "checkpoint.pt").unlink()  # a link to newest: a second name for the same damage
     damage(newest)
     with pytest.raises(UserError, match="checkpoint-000000008.pt"):
-        checkpoint.load(newest)
+        files.load(newest)
     capsys.readouterr()
-    assert checkpoint.resolve("auto", tmp_path) == tmp_path / "checkpoint-000000004.pt"
+    assert files.resolve("auto", tmp_path) == tmp_path / "checkpoint-000000004.pt"
     warning = capsys.readouterr().err
     assert "warning: --resume auto: skipping" in warning
     assert "checkpoint-000000008.pt" in warning
@@ -167,21 +164,21 @@ def test_stale_temp_files_are_removed_and_never_chosen(tmp_path):
     save_steps(tmp_path, [4])
     stale = tmp_path / ".checkpoint-000000008.pt.abc123.tmp"
     stale.write_bytes(b"half a checkpoint")
-    assert checkpoint.resolve("auto", tmp_path) == tmp_path / "checkpoint-000000004.pt"
-    checkpoint.remove_stale_temp_files(tmp_path)
+    assert files.resolve("auto", tmp_path) == tmp_path / "checkpoint-000000004.pt"
+    files.remove_stale_temp_files(tmp_path)
     assert not stale.exists()
     assert (tmp_path / "checkpoint-000000004.pt").exists()
 
 
 def test_incompatible_checkpoints_are_named(tmp_path):
     saved = {"arch": "resnet18", "class_to_idx": CLASSES}
-    checkpoint.check_compatible(saved, tmp_path, "resnet18", CLASSES)
+    files.check_compatible(saved, tmp_path, "resnet18", CLASSES)
     with pytest.raises(UserError, match="resnet18 model, not --arch resnet34"):
-        checkpoint.check_compatible(saved, tmp_path, "resnet34", CLASSES)
+        files.check_compatible(saved, tmp_path, "resnet34", CLASSES)
     with pytest.raises(
         UserError, match=r"only in the checkpoint: \['c'\]; only in the data: \['d'\]"
     ):
-        checkpoint.check_compatible(saved, tmp_path, "resnet18", {"a": 0, "b": 1, "d": 2})
+        files.check_compatible(saved, tmp_path, "resnet18", {"a": 0, "b": 1, "d": 2})
 
 
 def test_the_gradient_scaler_is_saved_and_restored(tmp_path):
@@ -193,13 +190,13 @@ def test_the_gradient_scaler_is_saved_and_restored(tmp_path):
     scaler.step(optimizer)
     scaler.update()  # a finite step with growth_interval 1: the scale doubles
     state = TrainState(global_step=1)
-    payload = checkpoint.payload(model, optimizer, scheduler, state, meta(), scaler)
-    checkpoint.save(tmp_path, payload, False, keep_last=2)
+    payload = files.payload(model, optimizer, scheduler, state, meta(), scaler)
+    files.save(tmp_path, payload, False, keep_last=2)
 
     fresh = torchvision.models.get_model("resnet18", num_classes=3)
-    fresh_opt, fresh_sched = optim.build(fresh, Config(lr=0.1))
+    fresh_opt, fresh_sched = build_optimizer(fresh, Config(lr=0.1))
     fresh_scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1)
-    saved = checkpoint.load(tmp_path / "checkpoint.pt")
-    checkpoint.restore(saved, fresh, fresh_opt, fresh_sched, fresh_scaler)
+    saved = files.load(tmp_path / "checkpoint.pt")
+    files.restore(saved, fresh, fresh_opt, fresh_sched, fresh_scaler)
     assert scaler.get_scale() == 2048.0
     assert fresh_scaler.state_dict() == scaler.state_dict()

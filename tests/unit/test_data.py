@@ -3,9 +3,9 @@ import shutil
 import pytest
 import torch
 
-from ddptrain import data
 from ddptrain.config import Config
-from ddptrain.distributed import DistEnv
+from ddptrain.data.loaders import build_data, val_transform
+from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
 
 ONE = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
@@ -13,7 +13,7 @@ ONE = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=tor
 
 def build(root, **overrides):
     config = Config(data=str(root), batch_size=4, workers=0, image_size=16, **overrides)
-    return data.build(config, ONE, root, seed=0)
+    return build_data(config, ONE, root, seed=0)
 
 
 @pytest.fixture
@@ -34,8 +34,8 @@ def test_builds_loaders_with_classes_from_the_data(tiny_data):
 
 def test_val_preset_resizes_then_centre_crops():
     image = torch.zeros(3, 30, 40, dtype=torch.uint8)
-    assert data.val_transform(32)(image).shape == (3, 32, 32)
-    resize = data.val_transform(32).transforms[0]
+    assert val_transform(32)(image).shape == (3, 32, 32)
+    resize = val_transform(32).transforms[0]
     assert resize.size == [37]  # round(32 / 0.875)
 
 
@@ -85,7 +85,7 @@ def test_unreadable_image_is_named(tree):
 def test_same_sample_same_augmentation_whatever_the_worker_count(tiny_data):
     def first_batch(workers):
         config = Config(data=str(tiny_data), batch_size=8, workers=workers, image_size=16)
-        return next(iter(data.build(config, ONE, tiny_data, seed=3).train_loader))
+        return next(iter(build_data(config, ONE, tiny_data, seed=3).train_loader))
 
     a, b = first_batch(0), first_batch(2)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -93,4 +93,4 @@ def test_same_sample_same_augmentation_whatever_the_worker_count(tiny_data):
 
 def test_batch_larger_than_the_data(tiny_data):
     with pytest.raises(UserError, match="--batch-size 64"):
-        data.build(Config(data=str(tiny_data), batch_size=64, workers=0), ONE, tiny_data, 0)
+        build_data(Config(data=str(tiny_data), batch_size=64, workers=0), ONE, tiny_data, 0)

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from ddptrain import distributed
 from ddptrain.config import Config
-from ddptrain.distributed import SpawnSlot
+from ddptrain.dist.env import SpawnSlot, _backend, _device, _placement, init_distributed
 from ddptrain.errors import UserError
 
 LAUNCHER_VARS = (
@@ -25,59 +24,59 @@ def no_launcher(monkeypatch):
 
 
 def test_single_process():
-    assert distributed._placement(Config(), None) == (0, 1, 0, 1, "env://")
+    assert _placement(Config(), None) == (0, 1, 0, 1, "env://")
 
 
 def test_torchrun_variables_give_each_rank_its_local_device(monkeypatch):
     for name, value in dict(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4").items():
         monkeypatch.setenv(name, value)
-    assert distributed._placement(Config(), None) == (5, 8, 1, 4, "env://")
+    assert _placement(Config(), None) == (5, 8, 1, 4, "env://")
 
 
 def test_torch_distributed_launch_local_rank_flag(monkeypatch):
     monkeypatch.setenv("RANK", "3")  # global rank 3 of 4, local rank 1 on its node
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert distributed._placement(Config(local_rank=1), None)[:3] == (3, 4, 1)
+    assert _placement(Config(local_rank=1), None)[:3] == (3, 4, 1)
 
 
 def test_spawn_slot_counts_nodes_and_local_processes():
     slot = SpawnSlot(local_rank=2, nproc_per_node=4, node_rank=1, nodes=2, dist_url="tcp://h:1")
-    assert distributed._placement(Config(), slot) == (6, 8, 2, 4, "tcp://h:1")
+    assert _placement(Config(), slot) == (6, 8, 2, 4, "tcp://h:1")
 
 
 def test_tcp_invocations():
     config = Config(world_size=2, rank=1, dist_url="tcp://127.0.0.1:5")
-    assert distributed._placement(config, None) == (1, 2, 1, 1, "tcp://127.0.0.1:5")
+    assert _placement(config, None) == (1, 2, 1, 1, "tcp://127.0.0.1:5")
     with pytest.raises(UserError, match="--rank"):
-        distributed._placement(Config(world_size=2, dist_url="tcp://127.0.0.1:5"), None)
+        _placement(Config(world_size=2, dist_url="tcp://127.0.0.1:5"), None)
 
 
 def test_incomplete_launcher_environments(monkeypatch):
     with pytest.raises(UserError, match="MASTER_ADDR"):
-        distributed._placement(Config(world_size=2, rank=0), None)
+        _placement(Config(world_size=2, rank=0), None)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match="RANK"):
-        distributed._placement(Config(), None)
+        _placement(Config(), None)
 
 
 def test_devices():
-    assert distributed._device(Config(no_accel=True), 3) == torch.device("cpu")
-    assert distributed._device(Config(device="cpu"), 0) == torch.device("cpu")
+    assert _device(Config(no_accel=True), 3) == torch.device("cpu")
+    assert _device(Config(device="cpu"), 0) == torch.device("cpu")
     if not torch.cuda.is_available():
-        assert distributed._device(Config(), 0) == torch.device("cpu")
+        assert _device(Config(), 0) == torch.device("cpu")
         with pytest.raises(UserError, match="--device cuda"):
-            distributed._device(Config(device="cuda"), 0)
+            _device(Config(device="cuda"), 0)
 
 
 def test_backend_follows_the_device():
     cpu = torch.device("cpu")
-    assert distributed._backend(Config(), cpu) == "gloo"
+    assert _backend(Config(), cpu) == "gloo"
     with pytest.raises(UserError, match="nccl"):
-        distributed._backend(Config(dist_backend="nccl"), cpu)
+        _backend(Config(dist_backend="nccl"), cpu)
 
 
 def test_gpu_pin_is_refused_with_several_local_ranks(monkeypatch):
     for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2").items():
         monkeypatch.setenv(name, value)
     with pytest.raises(UserError, match="--gpu 0"):
-        distributed.init(Config(gpu=0))
+        init_distributed(Config(gpu=0))

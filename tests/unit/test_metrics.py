@@ -2,7 +2,7 @@ import json
 
 import torch
 
-from ddptrain.metrics import MetricsLog, Sums, topk_correct
+from ddptrain.report.metrics import MetricsLog, Sums, topk_correct
 
 
 def test_topk_counts():

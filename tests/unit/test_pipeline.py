@@ -9,15 +9,24 @@ import torch
 from PIL import Image
 from torchvision import transforms as T
 
-from ddptrain import data
 from ddptrain.config import Config
-from ddptrain.distributed import DistEnv
+from ddptrain.data.loaders import (
+    MEAN,
+    STD,
+    ImageFolder,
+    SeededSamples,
+    build_data,
+    load_rgb,
+    train_transform,
+    val_transform,
+)
+from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError, one_line
-from ddptrain.precision import Precision
+from ddptrain.model.precision import Precision
 
 CPU = torch.device("cpu")
 ONE = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=CPU)
-ONE_LEVEL = 1 / (255 * min(data.STD))  # one uint8 step, in normalised units
+ONE_LEVEL = 1 / (255 * min(STD))  # one uint8 step, in normalised units
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +41,7 @@ def photo(tmp_path_factory):
 
 
 def classic(*geometry) -> T.Compose:
-    return T.Compose([*geometry, T.ToTensor(), T.Normalize(data.MEAN, data.STD)])
+    return T.Compose([*geometry, T.ToTensor(), T.Normalize(MEAN, STD)])
 
 
 def normalised(image: torch.Tensor) -> torch.Tensor:
@@ -51,7 +60,7 @@ def difference(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
 def test_val_transform_matches_the_classic_pipeline(photo):
     pil = Image.open(photo).convert("RGB")
     for size in (32, 64, 80):
-        image = data.val_transform(size)(data.load_rgb(photo))
+        image = val_transform(size)(load_rgb(photo))
         assert image.dtype == torch.uint8 and image.shape == (3, size, size)
         old = classic(T.Resize(round(size / 0.875)), T.CenterCrop(size))(pil)
         assert (difference(normalised(image), old) > 1e-2).float().mean() < 0.01
@@ -63,7 +72,7 @@ def test_train_transform_takes_the_same_crop_and_flip_for_the_same_random_state(
         torch.manual_seed(seed)
         old = classic(T.RandomResizedCrop(48), T.RandomHorizontalFlip())(pil)
         torch.manual_seed(seed)
-        image = data.train_transform(48)(data.load_rgb(photo))
+        image = train_transform(48)(load_rgb(photo))
         assert image.dtype == torch.uint8 and image.shape == (3, 48, 48)
         difference(normalised(image), old)  # another crop or flip would differ everywhere
 
@@ -71,23 +80,23 @@ def test_train_transform_takes_the_same_crop_and_flip_for_the_same_random_state(
 def test_seeded_samples_repeat_their_crop(tmp_path, photo):
     (tmp_path / "a").mkdir()
     Image.open(photo).save(tmp_path / "a" / "x.jpg")
-    folder = data.ImageFolder(str(tmp_path), data.train_transform(32), loader=data.load_rgb)
-    samples = data.SeededSamples(folder)
+    folder = ImageFolder(str(tmp_path), train_transform(32), loader=load_rgb)
+    samples = SeededSamples(folder)
     first, again, other = samples[0, 7][0], samples[0, 7][0], samples[0, 8][0]
     assert torch.equal(first, again) and not torch.equal(first, other)
 
 
 def test_loader_yields_uint8_and_inputs_normalise_in_the_runs_layout(tiny_data):
     config = Config(data=str(tiny_data), batch_size=4, workers=0, image_size=16)
-    images, _ = next(iter(data.build(config, ONE, tiny_data, seed=0).train_loader))
+    images, _ = next(iter(build_data(config, ONE, tiny_data, seed=0).train_loader))
     assert images.dtype == torch.uint8 and images.shape == (4, 3, 16, 16)
     for channels_last in (False, True):
         x = Precision("cpu", channels_last=channels_last).inputs(images, CPU)
         assert x.dtype == torch.float32 and x.shape == (4, 3, 16, 16)
         layout = torch.channels_last if channels_last else torch.contiguous_format
         assert x.is_contiguous(memory_format=layout)
-        mean = torch.tensor(data.MEAN).view(1, 3, 1, 1)
-        std = torch.tensor(data.STD).view(1, 3, 1, 1)
+        mean = torch.tensor(MEAN).view(1, 3, 1, 1)
+        std = torch.tensor(STD).view(1, 3, 1, 1)
         assert torch.allclose(x, (images.float() / 255 - mean) / std, atol=1e-5)
 
 
@@ -100,7 +109,7 @@ def test_any_image_becomes_rgb_as_pil_converts_it(tmp_path, mode, suffix):
     pixels = rng.integers(0, 255, (20, 30, 3), dtype=np.uint8)
     path = tmp_path / f"image.{suffix}"
     Image.fromarray(pixels).convert(mode).save(path)
-    image = data.load_rgb(str(path))
+    image = load_rgb(str(path))
     expected = torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
     assert image.dtype == torch.uint8 and torch.equal(image, expected)
 
@@ -108,11 +117,11 @@ def test_any_image_becomes_rgb_as_pil_converts_it(tmp_path, mode, suffix):
 def test_16_bit_png_and_gif_frames(tmp_path):
     deep = tmp_path / "deep.png"
     Image.fromarray(np.full((4, 5), 65535, dtype=np.uint16)).save(deep)
-    assert torch.equal(data.load_rgb(str(deep)), torch.full((3, 4, 5), 255, dtype=torch.uint8))
+    assert torch.equal(load_rgb(str(deep)), torch.full((3, 4, 5), 255, dtype=torch.uint8))
     frames = [Image.new("RGB", (5, 4), (v, v, v)) for v in (10, 200)]
     gif = tmp_path / "anim.gif"
     frames[0].save(gif, save_all=True, append_images=frames[1:])
-    assert data.load_rgb(str(gif)).shape == (3, 4, 5)
+    assert load_rgb(str(gif)).shape == (3, 4, 5)
 
 
 def test_an_undecodable_image_in_a_worker_is_named(tiny_data, tmp_path):
@@ -121,7 +130,7 @@ def test_an_undecodable_image_in_a_worker_is_named(tiny_data, tmp_path):
     bad = root / "val" / "arrow" / "00000.png"
     bad.write_bytes(bad.read_bytes()[:40])  # truncated
     config = Config(data=str(root), batch_size=4, workers=1, image_size=16)
-    loaders = data.build(config, ONE, root, seed=0)
+    loaders = build_data(config, ONE, root, seed=0)
     with pytest.raises(UserError) as caught:
         for _ in loaders.val_loader:
             pass
@@ -132,12 +141,12 @@ def test_an_empty_file_is_named(tmp_path):
     empty = tmp_path / "empty.jpg"
     empty.write_bytes(b"")
     with pytest.raises(UserError, match="empty.jpg"):
-        data.load_rgb(str(empty))
+        load_rgb(str(empty))
 
 
 def test_dummy_data_takes_the_same_uint8_path():
     config = Config(dummy=True, batch_size=2, workers=0, image_size=16)
-    loaders = data.build(config, ONE, None, seed=0)
+    loaders = build_data(config, ONE, None, seed=0)
     images, target = next(iter(loaders.train_loader))
     assert images.dtype == torch.uint8 and images.shape == (2, 3, 16, 16)
     images, _ = next(iter(loaders.val_loader))

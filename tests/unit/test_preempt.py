@@ -4,9 +4,9 @@ import signal
 import pytest
 import torch
 
-from ddptrain.distributed import DistEnv
+from ddptrain.dist.env import DistEnv
 from ddptrain.errors import Stopped
-from ddptrain.preempt import StopRequests
+from ddptrain.train.preempt import StopRequests
 
 ONE_PROCESS = DistEnv(0, 1, 0, 1, torch.device("cpu"))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torchvision
 
-from ddptrain import cli, models
+from ddptrain import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted([*(ROOT / "src" / "ddptrain").rglob("*.py"), *(ROOT / "bench").rglob("*.py")])
@@ -109,7 +109,7 @@ def test_pretrained_weights_unpickle_nothing_unsafely(
     cached.parent.mkdir(parents=True, exist_ok=True)
     torch.save(torchvision.models.resnet18().state_dict(), cached)
     prefix = torch.hub.HASH_REGEX.search(cached.name)[1]
-    monkeypatch.setattr(models, "_sha256", lambda path: prefix + "0" * 56)
+    monkeypatch.setattr("ddptrain.model.build._sha256", lambda path: prefix + "0" * 56)
     try:
         args = ("eval", tiny_data, "--image-size", "16", "-b", "8", "-j", "0", "--pretrained")
         assert _train(*args) == 0

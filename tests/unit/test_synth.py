@@ -3,9 +3,9 @@ import os
 
 import pytest
 
-from ddptrain import synth
+from ddptrain.data import synth
+from ddptrain.data.synth import SynthSpec
 from ddptrain.errors import UserError
-from ddptrain.synth import SynthSpec
 
 SMALL = SynthSpec(classes=10, train_per_class=2, val_per_class=1, size=20, seed=5)
 

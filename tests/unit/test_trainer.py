@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from ddptrain import trainer
-from ddptrain.checkpoint import TrainState
 from ddptrain.config import Config
-from ddptrain.data import Data
-from ddptrain.distributed import DistEnv
-from ddptrain.precision import Precision
-from ddptrain.preempt import StopRequests
+from ddptrain.data.loaders import Data
+from ddptrain.dist.env import DistEnv
+from ddptrain.model.precision import Precision
+from ddptrain.state.files import TrainState
+from ddptrain.train.preempt import StopRequests
+from ddptrain.train.trainer import Run, train_epoch
 
 CPU = torch.device("cpu")
 ONE = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=CPU)
@@ -105,10 +105,8 @@ def test_no_host_sync_outside_print_steps(monkeypatch, capsys, precision):
     config = Config(print_freq=STEPS + 1, epochs=1)  # only the last step prints
     data = Data(loader, Epochs(), val_loader=[], num_val=0, class_to_idx={})
     with StopRequests(ONE) as stop:
-        run = trainer.Run(
-            config, ONE, data, model, optimizer, scheduler, {}, None, 0, precision, {}, stop
-        )
-        result = trainer.train_epoch(run, 0, TrainState())
+        run = Run(config, ONE, data, model, optimizer, scheduler, {}, None, 0, precision, {}, stop)
+        result = train_epoch(run, 0, TrainState())
 
     per_step = [b - a for a, b in zip(loader.marks, loader.marks[1:], strict=False)]
     assert len(per_step) == STEPS - 1

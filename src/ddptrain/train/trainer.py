@@ -10,16 +10,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from ddptrain import checkpoint, faults
-from ddptrain.checkpoint import TrainState
+from ddptrain import faults
 from ddptrain.config import Config
-from ddptrain.data import Data
-from ddptrain.distributed import DistEnv, broadcast_buffers
+from ddptrain.data.loaders import Data
+from ddptrain.dist.env import DistEnv, broadcast_buffers
 from ddptrain.errors import Stopped
-from ddptrain.metrics import MetricsLog, Sums, summarize
-from ddptrain.parallelize import unwrap
-from ddptrain.precision import Precision
-from ddptrain.preempt import StopRequests
+from ddptrain.model.parallelize import unwrap
+from ddptrain.model.precision import Precision
+from ddptrain.report.metrics import MetricsLog, Sums, summarize
+from ddptrain.state import files
+from ddptrain.state.files import TrainState
+from ddptrain.train.preempt import StopRequests
 
 DATA_WAIT_WARNING = 0.2  # share of epoch time spent waiting for the loader
 AUX_WEIGHT = 0.4  # googlenet and inception_v3 auxiliary heads, as torchvision's references
@@ -106,12 +107,12 @@ def save(run: Run, state: TrainState, is_best: bool = False) -> None:
     if env.is_main:
         model = unwrap(run.model)
         scaler = run.precision.scaler
-        ckpt = checkpoint.payload(model, run.optimizer, run.scheduler, state, run.meta, scaler)
+        ckpt = files.payload(model, run.optimizer, run.scheduler, state, run.meta, scaler)
         out_dir = run.log.path.parent
-        checkpoint.save(out_dir, ckpt, is_best, run.config.keep_last)
+        files.save(out_dir, ckpt, is_best, run.config.keep_last)
         # Written with the checkpoint, not before: a run that fails early changes nothing.
         config_json = json.dumps(run.resolved_config, indent=2).encode()
-        checkpoint.atomic_write(out_dir / "config.json", config_json)
+        files.atomic_write(out_dir / "config.json", config_json)
     run.stop.unsaved = False
 
 

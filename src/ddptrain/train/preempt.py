@@ -13,7 +13,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ddptrain.distributed import DistEnv, cpu_group
+from ddptrain.dist.env import DistEnv, cpu_group
 from ddptrain.errors import Stopped
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ddptrain.config import Config
-from ddptrain.distributed import SpawnSlot
+from ddptrain.dist.env import SpawnSlot
 from ddptrain.errors import UserError, report_errors
 
 

@@ -9,7 +9,7 @@ from ddptrain.config import Config
 STEP_EPOCHS, STEP_GAMMA = 30, 0.1  # the classic example: lr / 10 every 30 epochs
 
 
-def build(
+def build_optimizer(
     model: nn.Module, config: Config
 ) -> tuple[optim.Optimizer, optim.lr_scheduler.LRScheduler]:
     optimizer = optim.SGD(

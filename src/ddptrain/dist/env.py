@@ -181,7 +181,7 @@ def _backend(config: Config, device: torch.device) -> str:
     return backend
 
 
-def init(config: Config, slot: SpawnSlot | None = None) -> DistEnv:
+def init_distributed(config: Config, slot: SpawnSlot | None = None) -> DistEnv:
     rank, world, local_rank, local_world, url = _placement(config, slot)
     if config.gpu is not None and local_world > 1:
         raise UserError(
@@ -213,7 +213,7 @@ def cpu_group() -> dist.ProcessGroup | None:
     return _cpu_group
 
 
-def teardown() -> None:
+def teardown_distributed() -> None:
     global _cpu_group
     _cpu_group = None
     if dist.is_initialized():

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
-from ddptrain.checkpoint import atomic_write
-from ddptrain.distributed import DistEnv, all_sum
+from ddptrain.dist.env import DistEnv, all_sum
+from ddptrain.state.files import atomic_write
 
 
 def topk_correct(output: torch.Tensor, target: torch.Tensor, ks=(1, 5)) -> torch.Tensor:

@@ -27,7 +27,7 @@ from torchvision.transforms.v2 import functional as F
 
 from ddptrain import faults
 from ddptrain.config import Config
-from ddptrain.distributed import DistEnv
+from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -208,7 +208,7 @@ def _datasets(config: Config, data_root: Path | None):
     return train, val, train.class_to_idx
 
 
-def build(config: Config, env: DistEnv, data_root: Path | None, seed: int) -> Data:
+def build_data(config: Config, env: DistEnv, data_root: Path | None, seed: int) -> Data:
     """Loaders for this rank. `seed` orders and augments the data; equal on every rank."""
     per_rank = config.batch_size // env.world_size
     train, val, class_to_idx = _datasets(config, data_root)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddptrain.distributed import DistEnv
+from ddptrain.dist.env import DistEnv
 
 
 def wrap(model: nn.Module, env: DistEnv, gpu_pinned: bool) -> nn.Module:

@@ -8,15 +8,15 @@ import torch
 import torchvision
 from torch import nn
 
-from ddptrain.checkpoint import safe_load
-from ddptrain.distributed import DistEnv, rank0_first
+from ddptrain.dist.env import DistEnv, rank0_first
 from ddptrain.errors import UserError, first_line
+from ddptrain.state.files import safe_load
 
 # These take their pretrained weights with ImageNet's input transform built in.
 TRANSFORM_INPUT = ("googlenet", "inception_v3")
 
 
-def build(arch: str, num_classes: int, image_size: int, pretrained: bool) -> nn.Module:
+def build_model(arch: str, num_classes: int, image_size: int, pretrained: bool) -> nn.Module:
     """arch with a num_classes head, checked to run on image_size crops.
 
     The check is one train-mode forward pass on the CPU (train mode: inception's auxiliary head

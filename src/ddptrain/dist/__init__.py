@@ -1,0 +1,1 @@
+"""Distributed setup: launcher environments, process groups, collectives, CPU threads."""

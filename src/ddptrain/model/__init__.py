@@ -1,0 +1,1 @@
+"""The model: built by name, placed (device, dtype, layout), wrapped by strategy."""

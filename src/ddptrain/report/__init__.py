@@ -1,0 +1,1 @@
+"""Reporting: exact metric sums and the records a run writes."""

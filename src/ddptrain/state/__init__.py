@@ -1,0 +1,1 @@
+"""Run state on disk: checkpoints, atomic files, numbering and retention."""

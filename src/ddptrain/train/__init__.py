@@ -1,0 +1,1 @@
+"""Training: the trainer and its step, optimizer and schedule, stop requests."""
