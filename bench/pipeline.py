@@ -21,7 +21,8 @@ from torchvision import datasets, transforms
 
 from bench import common
 from ddptrain.config import Config
-from ddptrain.data.loaders import MEAN, STD, build_data
+from ddptrain.data.loaders import build_data
+from ddptrain.data.transforms import MEAN, STD
 from ddptrain.dist.env import DistEnv
 from ddptrain.model.precision import Precision
 

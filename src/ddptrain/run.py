@@ -18,15 +18,8 @@ import torch
 from ddptrain.config import Config
 from ddptrain.data.loaders import Data, build_data
 from ddptrain.data.synth import ensure_builtin
-from ddptrain.dist.env import (
-    DistEnv,
-    SpawnSlot,
-    agree,
-    check_same,
-    from_rank0,
-    init_distributed,
-    teardown_distributed,
-)
+from ddptrain.dist.collectives import agree, check_same, from_rank0
+from ddptrain.dist.env import DistEnv, SpawnSlot, init_distributed, teardown_distributed
 from ddptrain.errors import UserError
 from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.parallelize import wrap

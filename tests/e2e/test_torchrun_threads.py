@@ -9,7 +9,7 @@ from cli import DEADLINE
 
 PROBE = """
 import os
-from ddptrain.dist.env import _launcher_env, user_set_threads
+from ddptrain.dist.threads import _launcher_env, user_set_threads
 print("user" if user_set_threads(os.environ, _launcher_env()) else "default")
 """
 

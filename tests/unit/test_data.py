@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from ddptrain.config import Config
-from ddptrain.data.loaders import build_data, val_transform
+from ddptrain.data.loaders import build_data
+from ddptrain.data.transforms import val_transform
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
 

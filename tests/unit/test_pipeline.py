@@ -10,16 +10,10 @@ from PIL import Image
 from torchvision import transforms as T
 
 from ddptrain.config import Config
-from ddptrain.data.loaders import (
-    MEAN,
-    STD,
-    ImageFolder,
-    SeededSamples,
-    build_data,
-    load_rgb,
-    train_transform,
-    val_transform,
-)
+from ddptrain.data.folder import ImageFolder, load_rgb
+from ddptrain.data.loaders import build_data
+from ddptrain.data.sampler import SeededSamples
+from ddptrain.data.transforms import MEAN, STD, train_transform, val_transform
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError, one_line
 from ddptrain.model.precision import Precision

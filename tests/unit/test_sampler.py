@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from ddptrain.data.loaders import GlobalBatchSampler, shard
+from ddptrain.data.sampler import GlobalBatchSampler, shard
 
 
 def rank_orders(n, batch, world, seed=0, epoch=0):

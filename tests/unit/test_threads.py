@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from ddptrain.dist.env import _share_cpu_threads, cpu_threads, user_set_threads
+from ddptrain.dist.threads import cpu_threads, share_cpu_threads, user_set_threads
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
 
@@ -48,8 +48,8 @@ def test_share_sets_threads_unless_the_user_did(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     for name in TORCHRUN:
         monkeypatch.delenv(name, raising=False)
-    _share_cpu_threads(local_world_size=2, workers=4)
+    share_cpu_threads(local_world_size=2, workers=4)
     assert chosen == [3]
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    _share_cpu_threads(local_world_size=2, workers=4)
+    share_cpu_threads(local_world_size=2, workers=4)
     assert chosen == [3]

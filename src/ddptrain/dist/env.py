@@ -7,14 +7,13 @@ with --world-size/--rank (one process per invocation), or a single process.
 
 import datetime
 import os
-from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ddptrain.config import Config
+from ddptrain.dist.threads import share_cpu_threads
 from ddptrain.errors import UserError
 
 
@@ -97,56 +96,6 @@ def _device(config: Config, local_rank: int) -> torch.device:
     return torch.device(kind, index)
 
 
-def cpu_threads(cores: int, local_world_size: int, workers: int) -> int:
-    """Intra-op threads for one rank: its share of the node's cores, less what its loader
-    workers take.
-
-    The workers' part is capped at a quarter of the share: on a CPU run the model's math is
-    the bottleneck and a worker mostly waits on a full prefetch queue (decoding is a few ms an
-    image), while on a GPU run the rank's own threads matter little.
-    """
-    share = max(1, cores // local_world_size)
-    return max(1, share - min(workers, share // 4))
-
-
-def user_set_threads(environ: Mapping[str, str], launcher_env: Collection[str] | None) -> bool:
-    """Whether OMP_NUM_THREADS is the user's choice, given the names in the launcher's own
-    start-up environment (None: not known).
-
-    torchrun (and torch.distributed.launch) sets OMP_NUM_THREADS=1 for its workers when it
-    starts several and the variable is unset, which leaves all but one core per rank idle on a
-    CPU run with fewer ranks than cores. Its workers see the same value a user could have set;
-    torchrun's start-up environment tells them apart, as torchrun sets the variable later.
-    """
-    if "OMP_NUM_THREADS" not in environ:
-        return False
-    torchrun_default = (
-        "TORCHELASTIC_RUN_ID" in environ
-        and environ["OMP_NUM_THREADS"] == "1"
-        and launcher_env is not None
-        and "OMP_NUM_THREADS" not in launcher_env
-    )
-    return not torchrun_default
-
-
-def _launcher_env() -> set[str] | None:
-    """Names in the parent process's (torchrun's) environment as it started: /proc/PID/environ
-    keeps the start-up block, whatever the process later put in os.environ. None without /proc."""
-    try:
-        raw = Path(f"/proc/{os.getppid()}/environ").read_bytes()
-    except OSError:
-        return None
-    return {entry.split(b"=", 1)[0].decode(errors="replace") for entry in raw.split(b"\0") if entry}
-
-
-def _share_cpu_threads(local_world_size: int, workers: int) -> None:
-    """Ranks on one node share its usable cores, unless the user chose OMP_NUM_THREADS."""
-    launcher_env = _launcher_env() if "TORCHELASTIC_RUN_ID" in os.environ else None
-    if not user_set_threads(os.environ, launcher_env):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(cpu_threads(cores or 1, local_world_size, workers))
-
-
 def _restart_safe_store(url: str, timeout: datetime.timedelta, rank: int) -> dist.Store | None:
     """Under torchrun, a store the workers of one restart attempt share with no other attempt.
 
@@ -191,7 +140,7 @@ def init_distributed(config: Config, slot: SpawnSlot | None = None) -> DistEnv:
     device = _device(config, local_rank)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
-    _share_cpu_threads(local_world, config.workers)
+    share_cpu_threads(local_world, config.workers)
     if world > 1:
         backend = _backend(config, device)
         timeout = datetime.timedelta(seconds=config.dist_timeout)
@@ -218,94 +167,3 @@ def teardown_distributed() -> None:
     _cpu_group = None
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def all_sum(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
-    """Sum of tensor over ranks, in place; a no-op on one process."""
-    if env.distributed:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
-def _comm_device(env: DistEnv) -> torch.device:
-    return env.device if dist.get_backend() != "gloo" else torch.device("cpu")
-
-
-def agree(env: DistEnv, action: Callable[[], object]) -> object:
-    """action() on every rank; a UserError on any rank is raised on every rank.
-
-    For setup steps that only some ranks may fail (a file missing on one node, an unwritable
-    out-dir on rank 0): without this, the ranks that passed would wait forever for the others
-    in their next collective.
-    """
-    result, error = None, None
-    try:
-        result = action()
-    except Exception as err:  # any failure, a bug included: the others must not wait for us
-        error = err
-    if env.distributed:
-        failed = torch.tensor([int(error is not None)], device=_comm_device(env))
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item() and error is None:
-            raise UserError("another rank failed while setting up; its output says why")
-    if error is not None:
-        raise error
-    return result
-
-
-def from_rank0(env: DistEnv, decide: Callable[[], object]) -> object:
-    """Rank 0's decide() on every rank (a small picklable value), or its UserError everywhere.
-
-    For decisions that must be the same on every rank, such as which checkpoint to resume.
-    """
-    box, error = [None, None], None
-    if env.is_main:
-        try:
-            box[0] = decide()
-        except Exception as err:  # any failure: the others must not wait for rank 0
-            error, box[1] = err, f"rank 0 failed: {err}"
-    if env.distributed:
-        dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    if box[1] is not None:
-        raise UserError(box[1])
-    return box[0]
-
-
-def check_same(env: DistEnv, facts: dict) -> None:
-    """Every rank must hold rank 0's facts (data sizes, classes, resumed epoch): ranks that read
-    different copies of the data or of a checkpoint would run different numbers of steps."""
-    reference = from_rank0(env, lambda: facts)
-
-    def compare() -> None:
-        differ = [name for name in facts if facts[name] != reference[name]]
-        if differ:
-            raise UserError(
-                f"rank {env.rank} sees other {', '.join(differ)} than rank 0: every node must "
-                "read the same data and checkpoint"
-            )
-
-    agree(env, compare)
-
-
-def broadcast_buffers(module: torch.nn.Module, env: DistEnv) -> None:
-    """Rank 0's buffers (BatchNorm running statistics) on every rank.
-
-    DDP broadcasts them at the start of each training forward, but every rank then updates its
-    own copy with its own batch: without this, each rank would evaluate its val shard with
-    different statistics, and none with those of the model rank 0 saves.
-    """
-    if env.distributed:
-        for buffer in module.buffers():
-            dist.broadcast(buffer, src=0)
-
-
-def rank0_first(env: DistEnv, fetch: Callable[[], object]) -> object:
-    """fetch() on rank 0, then on the others: for a download one process should do.
-
-    A failure on any rank ends every rank. Ranks on other nodes fetch after rank 0, at the
-    same time as each other.
-    """
-    first = agree(env, fetch) if env.is_main else agree(env, lambda: None)
-    return agree(env, lambda: first if env.is_main else fetch())

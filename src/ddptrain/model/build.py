@@ -8,7 +8,8 @@ import torch
 import torchvision
 from torch import nn
 
-from ddptrain.dist.env import DistEnv, rank0_first
+from ddptrain.dist.collectives import rank0_first
+from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError, first_line
 from ddptrain.state.files import safe_load
 

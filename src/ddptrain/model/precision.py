@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ddptrain.config import Config
-from ddptrain.data.loaders import MEAN, STD
+from ddptrain.data.transforms import MEAN, STD
 from ddptrain.errors import UserError
 
 DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}

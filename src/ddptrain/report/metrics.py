@@ -5,7 +5,8 @@ from pathlib import Path
 
 import torch
 
-from ddptrain.dist.env import DistEnv, all_sum
+from ddptrain.dist.collectives import all_sum
+from ddptrain.dist.env import DistEnv
 from ddptrain.state.files import atomic_write
 
 

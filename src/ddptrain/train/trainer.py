@@ -13,7 +13,8 @@ from torch import nn
 from ddptrain import faults
 from ddptrain.config import Config
 from ddptrain.data.loaders import Data
-from ddptrain.dist.env import DistEnv, broadcast_buffers
+from ddptrain.dist.collectives import broadcast_buffers
+from ddptrain.dist.env import DistEnv
 from ddptrain.errors import Stopped
 from ddptrain.model.parallelize import unwrap
 from ddptrain.model.precision import Precision
