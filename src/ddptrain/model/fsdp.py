@@ -1,0 +1,125 @@
+"""FSDP2 for torchvision models: which modules become their own shard group, and the wrapping.
+
+Each block of the network is a unit: its parameters are gathered just before its forward and
+freed after, so a rank holds the whole of one block at a time and a shard of the rest. The rule:
+
+1. the blocks torchvision builds its models from (`BLOCKS`: ResNet's BasicBlock and Bottleneck,
+   ViT's EncoderBlock, ConvNeXt's CNBlock, Swin, MobileNet, ShuffleNet, MNASNet, RegNet,
+   EfficientNet, MaxViT and DenseNet blocks), outermost first (a block inside a block is not
+   a unit of its own);
+2. a model with none of them: each child of its `features` and `classifier` stacks that holds
+   parameters (VGG, AlexNet, SqueezeNet);
+3. else each direct child of the model that holds parameters (GoogLeNet, Inception v3).
+
+Then the root, which takes what no unit holds (stem, head).
+"""
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torchvision.models import (
+    convnext,
+    densenet,
+    efficientnet,
+    maxvit,
+    mnasnet,
+    mobilenetv2,
+    mobilenetv3,
+    regnet,
+    resnet,
+    shufflenetv2,
+    swin_transformer,
+    vision_transformer,
+)
+
+from ddptrain.errors import UserError
+
+BLOCKS = (
+    resnet.BasicBlock,
+    resnet.Bottleneck,
+    vision_transformer.EncoderBlock,
+    convnext.CNBlock,
+    swin_transformer.SwinTransformerBlock,  # SwinTransformerBlockV2 is a subclass
+    mobilenetv2.InvertedResidual,
+    mobilenetv3.InvertedResidual,
+    shufflenetv2.InvertedResidual,
+    mnasnet._InvertedResidual,
+    regnet.ResBottleneckBlock,
+    efficientnet.MBConv,
+    efficientnet.FusedMBConv,
+    maxvit.MaxVitBlock,
+    densenet._DenseBlock,
+)
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _outermost_blocks(model: nn.Module) -> list[nn.Module]:
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, BLOCKS):
+                units.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return units
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules that get their own fully_shard, in forward order (see the module's rule)."""
+    units = _outermost_blocks(model)
+    if not units:
+        stacks = [getattr(model, name, None) for name in ("features", "classifier")]
+        stacks = [s for s in stacks if isinstance(s, nn.Sequential)] or [model]
+        units = [child for stack in stacks for child in stack.children()]
+    return [unit for unit in units if _holds_parameters(unit)]
+
+
+def mixed_precision(amp_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """Parameters gathered and computed in the autocast dtype; gradients reduced in fp32, so the
+    sum over ranks loses nothing to the low precision."""
+    if amp_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
+
+
+def offload_policy(offload: bool, device: torch.device) -> OffloadPolicy:
+    """Parameters, gradients and optimizer state on the host between uses. Pinned host memory
+    needs a CUDA driver: without one, pinning fails, so it is asked for only on CUDA runs."""
+    if not offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+
+
+def shard(
+    model: nn.Module,
+    arch: str,
+    amp_dtype: torch.dtype | None = None,
+    offload: bool = False,
+    reshard_after_forward: bool = True,
+    device: torch.device | None = None,
+) -> nn.Module:
+    """fully_shard on each unit, then the root, over the default process group's ranks."""
+    units = shard_units(model)
+    if not units:
+        raise UserError(f"--strategy fsdp: no blocks to shard in --arch {arch}; use --strategy ddp")
+    options = dict(
+        mp_policy=mixed_precision(amp_dtype),
+        offload_policy=offload_policy(offload, device or torch.device("cpu")),
+    )
+    for unit in units:
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
+    # The root's parameters (stem, head) are used last in backward: keeping them gathered after
+    # forward saves one all-gather per step.
+    fully_shard(model, reshard_after_forward=False, **options)
+    return model
