@@ -58,7 +58,7 @@ def rank_main(batch: int, image_size: int, steps: int, sync: bool) -> None:
             model = wrap(model, env, gpu_pinned=False)
         optimizer, scheduler = build_optimizer(model, config)
         feed = Data(batches, Preloaded([WARMUP_STEPS, steps]), [], 0, {})
-        parts = (config, env, feed, model, optimizer, scheduler, {}, None, 0, precision, {})
+        parts = (config, env, feed, model, optimizer, scheduler, None, 0, precision, None)
         rates = train_epochs(parts, 2)
         if env.is_main:
             print(json.dumps({"samples_per_sec": rates, "threads": torch.get_num_threads()}))

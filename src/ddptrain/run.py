@@ -2,9 +2,11 @@
 
 Setup runs in three phases so that a user error on any rank ends every rank:
 1. decisions rank 0 makes for all (the data seed, which checkpoint to resume);
-2. local work that may fail on some ranks only (data checks, reading the checkpoint, the
-   out-dir), ended by `distributed.agree`;
-3. collective work (pretrained download, DDP wrapping), reached by every rank.
+2. local work that may fail on some ranks only (data checks, reading the checkpoint and
+   checking that it fits, the out-dir), ended by `agree`;
+3. collective work, reached by every rank, in this order: pretrained weights, place the model
+   (device, dtype, memory format), wrap it by strategy, build the optimizer on the wrapped
+   parameters (under fsdp, the shards), restore the checkpoint into them.
 """
 
 import os
@@ -22,19 +24,17 @@ from ddptrain.dist.collectives import agree, check_same, from_rank0
 from ddptrain.dist.env import DistEnv, SpawnSlot, init_distributed, teardown_distributed
 from ddptrain.errors import UserError
 from ddptrain.model.build import build_model, load_pretrained
-from ddptrain.model.parallelize import wrap
-from ddptrain.model.precision import resolve_precision
+from ddptrain.model.parallelize import is_sharded, unwrap, wrap
+from ddptrain.model.precision import DTYPES, resolve_precision
 from ddptrain.report.metrics import MetricsLog
-from ddptrain.state.files import (
-    LATEST,
+from ddptrain.state.checkpointer import (
+    Checkpointer,
     TrainState,
     check_compatible,
-    load,
-    numbered,
-    remove_stale_temp_files,
-    resolve,
-    restore,
+    check_fits,
+    training_parts,
 )
+from ddptrain.state.files import LATEST, load, numbered, remove_stale_temp_files, resolve
 from ddptrain.train import trainer
 from ddptrain.train.optim import build_optimizer, fast_forward
 from ddptrain.train.preempt import StopRequests
@@ -57,27 +57,47 @@ def _train(config: Config, env: DistEnv) -> TrainState:
     if config.seed is not None:
         _seed_everything(config.seed, env)
 
-    loaders, model, optimizer, scheduler, state, precision, seed = agree(
+    loaders, model, precision, saved, seed = agree(
         env, lambda: _prepare(config, env, out_dir, seed, resume)
     )
     train_samples = loaders.train_sampler.num_samples if loaders.train_sampler else 0
+    position = TrainState.from_checkpoint(saved or {"epoch": config.start_epoch})
     check_same(
         env,
         {
             "train images": train_samples,
             "val images": loaders.num_val,
             "classes": loaders.class_to_idx,
-            "resumed position": (state.epoch, state.epoch_step, state.global_step),
+            "resumed position": (position.epoch, position.epoch_step, position.global_step),
             "data seed": seed,
         },
     )
 
-    if config.pretrained and resume is None:
+    if config.pretrained and saved is None:
         load_pretrained(model, config.arch, env)
-    model = wrap(model, env, gpu_pinned=config.gpu is not None)
+    model = wrap(
+        precision.place(model, env.device),
+        env,
+        gpu_pinned=config.gpu is not None,
+        arch=config.arch,
+        amp_dtype=DTYPES[precision.amp],
+    )
+    optimizer, scheduler = build_optimizer(model, config)
+    meta, record = _records(config, env, loaders, precision, seed)
+    checkpointer = Checkpointer(
+        env,
+        out_dir,
+        unwrap(model),
+        training_parts(
+            unwrap(model), optimizer, scheduler, env, precision.scaler, sharded=is_sharded(model)
+        ),
+        meta,
+        record,
+        config.keep_last,
+    )
+    state = _restore(checkpointer, saved, resume, scheduler, config, env)
     if precision.compile:
         model = torch.compile(model)
-    meta, resolved = _records(config, env, loaders, precision, seed)
     log = MetricsLog(out_dir, enabled=env.is_main)
     with StopRequests(env) as stop:
         run = trainer.Run(
@@ -87,11 +107,10 @@ def _train(config: Config, env: DistEnv) -> TrainState:
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
-            meta=meta,
             log=log,
             seed=seed,
             precision=precision,
-            resolved_config=resolved,
+            checkpointer=None if config.evaluate else checkpointer,
             stop=stop,
         )
         if config.evaluate:
@@ -104,6 +123,21 @@ def _train(config: Config, env: DistEnv) -> TrainState:
                 flush=True,
             )
         return trainer.fit(run, state)
+
+
+def _restore(checkpointer, saved, resume, scheduler, config: Config, env: DistEnv) -> TrainState:
+    """The checkpoint's state in every part, or a fresh state. A collective."""
+    if saved is None:
+        fast_forward(scheduler, config.start_epoch)
+        return TrainState(epoch=config.start_epoch)
+    state = checkpointer.restore(saved)
+    if env.is_main:
+        print(
+            f"resumed from {resume} (epoch {state.epoch}, step {state.epoch_step} of the "
+            f"next, best acc1 {state.best_acc1:.2f})",
+            flush=True,
+        )
+    return state
 
 
 def _records(config: Config, env: DistEnv, loaders: Data, precision, seed: int):
@@ -150,32 +184,21 @@ def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Pat
         seed = int(saved.get("data_seed", seed))
         _check_position(saved, config)
     loaders = build_data(config, env, _data_root(config, env), seed)
-    if saved is not None:
-        check_compatible(saved, resume, config.arch, loaders.class_to_idx)
     saved_config = None if saved is None else saved.get("config")
     model = build_model(config.arch, loaders.num_classes, config.image_size, config.pretrained)
+    if saved is not None:
+        check_compatible(saved, resume, config.arch, loaders.class_to_idx)
+        check_fits(saved, resume, model)
     precision = resolve_precision(config, saved_config, model, env.device)
-    # On the device before the optimizer exists, so restored optimizer state lands there too.
-    model = precision.place(model, env.device)
-    optimizer, scheduler = build_optimizer(model, config)
     if saved is None:
         if config.evaluate and not config.pretrained:
             raise UserError(f"--evaluate: no checkpoint to evaluate in {out_dir}")
         if config.resume == "auto" and env.is_main:
             print(f"--resume auto: no checkpoint in {out_dir}, starting fresh", flush=True)
-        fast_forward(scheduler, config.start_epoch)
-        state = TrainState(epoch=config.start_epoch)
-    else:
-        state = restore(saved, model, optimizer, scheduler, precision.scaler)
-        if env.is_main:
-            print(
-                f"resumed from {resume} (epoch {state.epoch}, step {state.epoch_step} of the "
-                f"next, best acc1 {state.best_acc1:.2f})",
-                flush=True,
-            )
     if env.is_main and not config.evaluate:
-        MetricsLog(out_dir, enabled=True).keep_until(state.epoch)
-    return loaders, model, optimizer, scheduler, state, precision, seed
+        done = TrainState.from_checkpoint(saved or {"epoch": config.start_epoch}).epoch
+        MetricsLog(out_dir, enabled=True).keep_until(done)
+    return loaders, model, precision, saved, seed
 
 
 def _load(path: Path) -> dict:
@@ -237,8 +260,7 @@ def _data_root(config: Config, env: DistEnv) -> Path | None:
 
 
 def _evaluate_only(run: trainer.Run, state: TrainState) -> TrainState:
-    criterion = torch.nn.CrossEntropyLoss()
-    val = trainer.evaluate(run.model, run.data.val_loader, run.env, criterion, run.precision)
+    val = trainer.evaluate(run.model, run.data.val_loader, run.env, run.precision)
     run.log.write({"split": "val", "epoch": state.epoch, **val})
     if run.env.is_main:
         print(

@@ -13,7 +13,8 @@ from ddptrain.data.loaders import build_data
 from ddptrain.model.parallelize import unwrap, wrap
 from ddptrain.model.precision import Precision
 from ddptrain.report.metrics import MetricsLog
-from ddptrain.state.files import TrainState, load, restore
+from ddptrain.state.checkpointer import Checkpointer, TrainState, training_parts
+from ddptrain.state.files import load
 from ddptrain.train import trainer
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.preempt import StopRequests
@@ -29,16 +30,15 @@ def fit(env, root, out_dir, resume=None):
     loaders = build_data(config, env, root, seed=11)
     model = wrap(bn_free_model(), env, gpu_pinned=False)
     optimizer, scheduler = build_optimizer(model, config)
-    state = TrainState()
-    if resume is not None:
-        saved = load(resume)
-        state = restore(saved, unwrap(model), optimizer, scheduler)
     meta = {"arch": "bn_free", "num_classes": 3, "class_to_idx": loaders.class_to_idx}
     meta["config"] = config.to_dict()
+    parts = training_parts(unwrap(model), optimizer, scheduler, env)
+    checkpointer = Checkpointer(env, out_dir, unwrap(model), parts, meta, {}, keep_last=10)
+    state = TrainState() if resume is None else checkpointer.restore(load(resume))
     with StopRequests(env) as stop:
         run = trainer.Run(
-            config, env, loaders, model, optimizer, scheduler, meta,
-            MetricsLog(out_dir, env.is_main), 11, Precision(), {}, stop,
+            config, env, loaders, model, optimizer, scheduler,
+            MetricsLog(out_dir, env.is_main), 11, Precision(), checkpointer, stop,
         )  # fmt: skip
         trainer.fit(run, state)
     return flat_params(model)

@@ -6,13 +6,22 @@ import torchvision
 from torch import nn
 
 from ddptrain.config import Config
+from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.model.parallelize import unwrap
 from ddptrain.state import files
-from ddptrain.state.files import TrainState
+from ddptrain.state.checkpointer import (
+    FORMAT_VERSION,
+    Checkpointer,
+    TrainState,
+    check_compatible,
+    check_fits,
+    training_parts,
+)
 from ddptrain.train.optim import build_optimizer
 
 CLASSES = {"a": 0, "b": 1, "c": 2}
+ONE = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
 
 def trained_model():
@@ -30,18 +39,29 @@ def meta():
     return {"arch": "resnet18", "num_classes": 3, "class_to_idx": CLASSES, "config": {}}
 
 
+def checkpointer(out_dir, model, optimizer, scheduler, scaler=None, keep_last=2):
+    parts = training_parts(model, optimizer, scheduler, ONE, scaler)
+    return Checkpointer(ONE, out_dir, model, parts, meta(), {}, keep_last)
+
+
+def gathered(model, optimizer, scheduler, state, scaler=None):
+    """What the Checkpointer writes for state."""
+    return checkpointer(None, model, optimizer, scheduler, scaler).gather(state)
+
+
 def test_round_trip_restores_weights_optimizer_schedule_and_state(tmp_path):
     model, optimizer, scheduler = trained_model()
     state = TrainState(epoch=3, global_step=30, best_acc1=42.5)
-    payload = files.payload(model, optimizer, scheduler, state, meta())
+    payload = gathered(model, optimizer, scheduler, state)
     files.save(tmp_path, payload, True, keep_last=2)
 
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert saved["format_version"] == files.FORMAT_VERSION
+    assert saved["format_version"] == FORMAT_VERSION
     assert (tmp_path / "model_best.pt").read_bytes() == (tmp_path / "checkpoint.pt").read_bytes()
     fresh = torchvision.models.get_model("resnet18", num_classes=3)
     fresh_opt, fresh_sched = build_optimizer(fresh, Config(lr=0.1))
-    restored = files.restore(files.load(tmp_path / "checkpoint.pt"), fresh, fresh_opt, fresh_sched)
+    saved = files.load(tmp_path / "checkpoint.pt")
+    restored = checkpointer(tmp_path, fresh, fresh_opt, fresh_sched).restore(saved)
 
     assert restored == state
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
@@ -55,7 +75,7 @@ def test_round_trip_restores_weights_optimizer_schedule_and_state(tmp_path):
 def test_saved_keys_have_no_wrapper_prefix_and_load_strictly(tmp_path):
     model, optimizer, scheduler = trained_model()
     wrapped = nn.DataParallel(model)  # a wrapper that adds `module.` on CPU too
-    payload = files.payload(unwrap(wrapped), optimizer, scheduler, TrainState(), meta())
+    payload = gathered(unwrap(wrapped), optimizer, scheduler, TrainState())
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in payload["model"])
     assert all(v.device.type == "cpu" for v in payload["model"].values())
     torchvision.models.get_model("resnet18", num_classes=3).load_state_dict(payload["model"])
@@ -65,7 +85,7 @@ def test_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     model, optimizer, scheduler = trained_model()
     files.save(
         tmp_path,
-        files.payload(model, optimizer, scheduler, TrainState(epoch=1), meta()),
+        gathered(model, optimizer, scheduler, TrainState(epoch=1)),
         False,
         keep_last=2,
     )
@@ -78,7 +98,7 @@ def test_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         files.save(
             tmp_path,
-            files.payload(model, optimizer, scheduler, TrainState(epoch=2, global_step=5), meta()),
+            gathered(model, optimizer, scheduler, TrainState(epoch=2, global_step=5)),
             False,
             keep_last=2,
         )
@@ -106,7 +126,7 @@ def save_steps(out_dir, steps, keep_last=2, best_at=()):
     model, optimizer, scheduler = trained_model()
     for step in steps:
         state = TrainState(epoch=step // 10, global_step=step, epoch_step=step % 10)
-        payload = files.payload(model, optimizer, scheduler, state, meta())
+        payload = gathered(model, optimizer, scheduler, state)
         files.save(out_dir, payload, step in best_at, keep_last)
 
 
@@ -172,13 +192,13 @@ def test_stale_temp_files_are_removed_and_never_chosen(tmp_path):
 
 def test_incompatible_checkpoints_are_named(tmp_path):
     saved = {"arch": "resnet18", "class_to_idx": CLASSES}
-    files.check_compatible(saved, tmp_path, "resnet18", CLASSES)
+    check_compatible(saved, tmp_path, "resnet18", CLASSES)
     with pytest.raises(UserError, match="resnet18 model, not --arch resnet34"):
-        files.check_compatible(saved, tmp_path, "resnet34", CLASSES)
+        check_compatible(saved, tmp_path, "resnet34", CLASSES)
     with pytest.raises(
         UserError, match=r"only in the checkpoint: \['c'\]; only in the data: \['d'\]"
     ):
-        files.check_compatible(saved, tmp_path, "resnet18", {"a": 0, "b": 1, "d": 2})
+        check_compatible(saved, tmp_path, "resnet18", {"a": 0, "b": 1, "d": 2})
 
 
 def test_the_gradient_scaler_is_saved_and_restored(tmp_path):
@@ -190,13 +210,26 @@ def test_the_gradient_scaler_is_saved_and_restored(tmp_path):
     scaler.step(optimizer)
     scaler.update()  # a finite step with growth_interval 1: the scale doubles
     state = TrainState(global_step=1)
-    payload = files.payload(model, optimizer, scheduler, state, meta(), scaler)
+    payload = gathered(model, optimizer, scheduler, state, scaler)
     files.save(tmp_path, payload, False, keep_last=2)
 
     fresh = torchvision.models.get_model("resnet18", num_classes=3)
     fresh_opt, fresh_sched = build_optimizer(fresh, Config(lr=0.1))
     fresh_scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1)
     saved = files.load(tmp_path / "checkpoint.pt")
-    files.restore(saved, fresh, fresh_opt, fresh_sched, fresh_scaler)
+    checkpointer(tmp_path, fresh, fresh_opt, fresh_sched, fresh_scaler).restore(saved)
     assert scaler.get_scale() == 2048.0
     assert fresh_scaler.state_dict() == scaler.state_dict()
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_named_before_loading(tmp_path):
+    model, optimizer, scheduler = trained_model()
+    saved = gathered(model, optimizer, scheduler, TrainState())
+    check_fits(saved, tmp_path, torchvision.models.get_model("resnet18", num_classes=3))
+    other_head = torchvision.models.get_model("resnet18", num_classes=5)
+    with pytest.raises(UserError, match=r"fc.weight is \(3, 512\) in the checkpoint, \(5, 512\)"):
+        check_fits(saved, tmp_path, other_head)
+    shorter = torchvision.models.get_model("resnet18", num_classes=3)
+    del shorter.layer4
+    with pytest.raises(UserError, match="unexpected layer4"):
+        check_fits(saved, tmp_path, shorter)

@@ -1,10 +1,9 @@
 import pytest
 import torch
-from torch import nn
 
 from ddptrain.errors import UserError
 from ddptrain.model.build import build_model
-from ddptrain.train.trainer import train_step
+from ddptrain.train.trainer import Step
 
 
 def test_head_follows_the_class_count():
@@ -28,6 +27,11 @@ def test_auxiliary_heads_train_with_their_loss():
     model = build_model("googlenet", 3, 64, pretrained=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     images, target = torch.randn(2, 3, 64, 64), torch.tensor([0, 2])
-    loss, output = train_step(model, nn.CrossEntropyLoss(), optimizer, images, target)
+    step = Step(model, optimizer)
+    loss, output = step.forward(images, target)
+    step.backward(loss)
     assert output.shape == (2, 3) and loss.ndim == 0
     assert model.aux1.fc2.weight.grad is not None  # the aux heads took part
+    before = model.aux1.fc2.weight.detach().clone()
+    step.optimizer_step()
+    assert not torch.equal(model.aux1.fc2.weight, before)

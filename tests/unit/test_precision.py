@@ -5,7 +5,7 @@ from torch import nn
 from ddptrain.config import Config
 from ddptrain.errors import UserError
 from ddptrain.model.precision import Precision, resolve_precision
-from ddptrain.train.trainer import train_step
+from ddptrain.train.trainer import Step
 
 CPU = torch.device("cpu")
 
@@ -65,7 +65,7 @@ def test_bf16_training_computes_in_bf16_and_its_loss_falls():
     target = torch.arange(16) % 4
     losses = []
     for _ in range(30):
-        loss, output = train_step(model, nn.CrossEntropyLoss(), optimizer, images, target, p)
+        loss, output = Step(model, optimizer, p)(images, target)
         losses.append(loss.item())
     assert output.dtype == torch.bfloat16
     assert model[0].weight.dtype == torch.float32  # master weights stay fp32

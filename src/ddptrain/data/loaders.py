@@ -9,13 +9,13 @@ the per-pixel float work off the loader's cores.
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 from torchvision import datasets
 from torchvision.transforms import v2
 
 from ddptrain.config import Config
 from ddptrain.data.folder import check_same_classes, image_folder
-from ddptrain.data.sampler import GlobalBatchSampler, SeededSamples, shard
+from ddptrain.data.sampler import EvalShard, GlobalBatchSampler, SeededSamples
 from ddptrain.data.transforms import train_transform, val_transform
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
@@ -69,9 +69,7 @@ def build_data(config: Config, env: DistEnv, data_root: Path | None, seed: int) 
         pin_memory=env.device.type == "cuda",
         persistent_workers=config.workers > 0,
     )
-    val_loader = DataLoader(
-        Subset(val, shard(len(val), env.rank, env.world_size)), per_rank, **common
-    )
+    val_loader = DataLoader(EvalShard(val, env.rank, env.world_size), per_rank, **common)
     if train is None:
         return Data(None, None, val_loader, len(val), class_to_idx)
     if len(train) < config.batch_size:

@@ -75,3 +75,28 @@ class GlobalBatchSampler(Sampler):
 def shard(num_samples: int, rank: int, world_size: int) -> range:
     """Contiguous, disjoint slices covering 0..num_samples once: exact evaluation, no padding."""
     return range(rank * num_samples // world_size, (rank + 1) * num_samples // world_size)
+
+
+# The target of a padded val position: cross-entropy's default ignore_index, never a top-k hit.
+PADDING = -100
+
+
+class EvalShard(Dataset):
+    """This rank's val shard, padded to the longest shard's length, so that every rank runs the
+    wrapped model the same number of times (FSDP gathers parameters in every forward, DDP syncs
+    buffers). A padded position repeats a real image with target PADDING, which evaluation
+    masks out of the counts: every val image still counts exactly once."""
+
+    def __init__(self, dataset: Dataset, rank: int, world_size: int):
+        self.dataset = dataset
+        self.indices = shard(len(dataset), rank, world_size)
+        self.length = -(-len(dataset) // world_size)  # the longest shard
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, position: int):
+        if position < len(self.indices):
+            return self.dataset[self.indices[position]]
+        image, _ = self.dataset[self.indices[-1] if self.indices else 0]
+        return image, PADDING

@@ -1,18 +1,42 @@
-"""Wrap the model for data parallelism, and unwrap it for saving and evaluation."""
+"""The one place that decides how the model is spread over the ranks: ddp or fsdp.
+
+ddp keeps a whole copy of the model, its gradients and optimizer state on every rank and
+all-reduces gradients; fsdp (FSDP2) shards all three and gathers each block just in time (see
+model/fsdp.py). One rank runs the plain model under either: there is nothing to shard.
+"""
 
 import warnings
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.dist.env import DistEnv
+from ddptrain.model import fsdp
+
+STRATEGIES = ("ddp", "fsdp")
 
 
-def wrap(model: nn.Module, env: DistEnv, gpu_pinned: bool) -> nn.Module:
-    """DDP with two or more ranks, on CPU as well as GPU; DataParallel as the classic example does
-    for one process on several GPUs."""
-    model = model.to(env.device)
+def wrap(
+    model: nn.Module,
+    env: DistEnv,
+    gpu_pinned: bool = False,
+    strategy: str = "ddp",
+    arch: str = "",
+    amp_dtype: torch.dtype | None = None,
+    offload: bool = False,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """The model, placed on env.device already, wrapped for `strategy`. Build the optimizer on
+    what this returns: under fsdp its parameters are the shards.
+
+    ddp: DDP with two or more ranks, on CPU as well as GPU; DataParallel as the classic example
+    does for one process on several GPUs. A collective with two or more ranks.
+    """
+    assert strategy in STRATEGIES, strategy
+    if env.distributed and strategy == "fsdp":
+        return fsdp.shard(model, arch, amp_dtype, offload, reshard_after_forward, env.device)
     if env.distributed:
         device_ids = None if env.device.type == "cpu" else [env.device.index]
         # Gradients as views into the all-reduce buckets: one copy less per step.
@@ -27,8 +51,13 @@ def wrap(model: nn.Module, env: DistEnv, gpu_pinned: bool) -> nn.Module:
     return model
 
 
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(unwrap(model), FSDPModule)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module under DDP / DataParallel / torch.compile: its state dict has no prefixes."""
+    """The module under DDP / DataParallel / torch.compile, whose state dict has no prefixes.
+    (FSDP2 wraps in place: the module is its own unwrapped self.)"""
     while True:
         if isinstance(model, (DistributedDataParallel, nn.DataParallel)):
             model = model.module

@@ -48,12 +48,16 @@ class Precision:
         layout = torch.channels_last if self.channels_last else torch.preserve_format
         return model.to(device, memory_format=layout)
 
-    def backward_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
+        """fp16: the loss scaled up, so that small gradients do not underflow."""
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """fp16: the gradients unscaled first; a step with inf/nan gradients is skipped and the
+        scale lowered."""
         if self.scaler is None:
-            loss.backward()
             optimizer.step()
         else:
-            self.scaler.scale(loss).backward()
             self.scaler.step(optimizer)
             self.scaler.update()
 

@@ -31,6 +31,15 @@ class Sums:
         self.values[1:3] += topk_correct(output.detach(), target)
         self.values[3] += n
 
+    def add_masked(
+        self, loss_sum: torch.Tensor, output: torch.Tensor, target: torch.Tensor, valid
+    ) -> None:
+        """A batch whose rows outside `valid` (a bool tensor) are padding: their loss must be
+        left out of loss_sum, and their targets must match no class (so no top-k hit)."""
+        self.values[0] += loss_sum.detach()
+        self.values[1:3] += topk_correct(output.detach(), target)
+        self.values[3] += valid.sum()
+
     def totals(self, env: DistEnv) -> torch.Tensor:
         """The sums over all ranks, on the CPU (a collective: every rank must call it)."""
         values = self.values.clone()

@@ -1,15 +1,8 @@
-"""Checkpoints: atomic writes by the main rank, retention, integrity checks, resume.
+"""Checkpoint files: atomic writes, numbering, retention, integrity checks, safe loading.
 
-Format (DESIGN.md): a dict loadable with torch.load(weights_only=True) holding `model` (plain
-state dict, no wrapper prefixes, CPU tensors), `arch`, `num_classes`, `class_to_idx`, `epoch`
-(epochs completed), `optimizer` (keyed by parameter name), `scheduler`, `best_acc1`, `config`,
-`format_version`; and to continue mid-epoch exactly: `global_step`, `epoch_step` (steps done in
-the epoch after `epoch`), `train_sums` (that epoch's running train sums over all ranks) and
-`data_seed`. Model-side randomness needs no saved state: it is derived from the seed, epoch, step
-and rank at every step, as augmentation is per sample.
-
-Files: every save writes `checkpoint-<global step>.pt`, then points `checkpoint.pt` at it and
-deletes the oldest beyond --keep-last. `model_best.pt` is a separate copy.
+Every save writes `checkpoint-<global step>.pt`, then points `checkpoint.pt` at it and deletes
+the oldest beyond --keep-last. `model_best.pt` is a separate copy. What a checkpoint holds is the
+Checkpointer's business (state/checkpointer.py).
 """
 
 import io
@@ -20,28 +13,15 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ddptrain import faults
 from ddptrain.errors import UserError, first_line
 
-FORMAT_VERSION = 1
 LATEST, BEST = "checkpoint.pt", "model_best.pt"
 NUMBERED = re.compile(r"checkpoint-(\d+)\.pt")
-
-
-@dataclass
-class TrainState:
-    epoch: int = 0  # epochs completed
-    global_step: int = 0
-    best_acc1: float = 0.0
-    epoch_step: int = 0  # steps done in the epoch after `epoch`
-    train_sums: torch.Tensor | None = None  # that epoch's running train sums, all ranks
 
 
 def _umask() -> int:
@@ -88,39 +68,6 @@ def _link_latest(numbered: Path, latest: Path) -> None:
         return
     os.replace(tmp, latest)
     _fsync_dir(latest.parent)
-
-
-def _to_cpu(tree):
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {k: _to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_to_cpu(v) for v in tree]
-    return tree
-
-
-def payload(
-    model: nn.Module, optimizer, scheduler, state: TrainState, meta: dict, scaler=None
-) -> dict:
-    """What goes into a checkpoint. `model` is the unwrapped module, so keys carry no prefixes;
-    the state-dict API keys optimizer state by parameter name rather than position. `scaler`:
-    fp16's GradScaler, whose loss scale a resumed run must continue from."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    extra = {} if scaler is None else {"scaler": scaler.state_dict()}
-    return {
-        "format_version": FORMAT_VERSION,
-        "model": _to_cpu(model_state),
-        "optimizer": _to_cpu(optim_state),
-        "scheduler": scheduler.state_dict(),
-        "epoch": state.epoch,
-        "global_step": state.global_step,
-        "best_acc1": state.best_acc1,
-        "epoch_step": state.epoch_step,
-        "train_sums": state.train_sums,
-        **meta,
-        **extra,
-    }
 
 
 def numbered(out_dir: Path) -> list[Path]:
@@ -212,48 +159,3 @@ def load(path: Path, mmap: bool = False) -> dict:
     if not isinstance(checkpoint, dict) or "model" not in checkpoint:
         raise UserError(f"{path} is not a ddptrain checkpoint (no 'model' entry)")
     return checkpoint
-
-
-def check_compatible(checkpoint: dict, path: Path, arch: str, class_to_idx: dict) -> None:
-    if checkpoint.get("arch", arch) != arch:
-        raise UserError(f"--resume: {path} holds a {checkpoint['arch']} model, not --arch {arch}")
-    saved = checkpoint.get("class_to_idx")
-    if saved is not None and saved != class_to_idx:
-        only_saved = sorted(set(saved) - set(class_to_idx))
-        only_data = sorted(set(class_to_idx) - set(saved))
-        detail = (
-            f"only in the checkpoint: {only_saved}; only in the data: {only_data}"
-            if only_saved or only_data
-            else "same names, other order"
-        )
-        raise UserError(f"--resume: {path} was trained on other classes than the data ({detail})")
-
-
-def restore(checkpoint: dict, model: nn.Module, optimizer, scheduler, scaler=None) -> TrainState:
-    """Loads weights (strictly) and, when present, optimizer, schedule and gradient scaler into
-    unwrapped model."""
-    try:
-        if optimizer is not None and "optimizer" in checkpoint:
-            set_state_dict(
-                model,
-                optimizer,
-                model_state_dict=checkpoint["model"],
-                optim_state_dict=checkpoint["optimizer"],
-            )
-        else:
-            model.load_state_dict(checkpoint["model"], strict=True)
-    except (RuntimeError, KeyError, ValueError) as err:
-        raise UserError(
-            f"--resume: the checkpoint does not fit this model: {first_line(err)}"
-        ) from None
-    if scheduler is not None and "scheduler" in checkpoint:
-        scheduler.load_state_dict(checkpoint["scheduler"])
-    if scaler is not None and "scaler" in checkpoint:
-        scaler.load_state_dict(checkpoint["scaler"])
-    return TrainState(
-        epoch=int(checkpoint.get("epoch", 0)),
-        global_step=int(checkpoint.get("global_step", 0)),
-        best_acc1=float(checkpoint.get("best_acc1", 0.0)),
-        epoch_step=int(checkpoint.get("epoch_step", 0)),
-        train_sums=checkpoint.get("train_sums"),
-    )

@@ -1,6 +1,5 @@
-"""The training loop: one step, one epoch, exact evaluation, and the epoch loop around them."""
+"""The training loop: the split step, one epoch, exact evaluation, and the epoch loop."""
 
-import json
 import random
 import signal
 import time
@@ -9,54 +8,77 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ddptrain import faults
 from ddptrain.config import Config
 from ddptrain.data.loaders import Data
+from ddptrain.data.sampler import PADDING
 from ddptrain.dist.collectives import broadcast_buffers
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import Stopped
 from ddptrain.model.parallelize import unwrap
 from ddptrain.model.precision import Precision
 from ddptrain.report.metrics import MetricsLog, Sums, summarize
-from ddptrain.state import files
-from ddptrain.state.files import TrainState
+from ddptrain.state.checkpointer import Checkpointer, TrainState
 from ddptrain.train.preempt import StopRequests
 
 DATA_WAIT_WARNING = 0.2  # share of epoch time spent waiting for the loader
 AUX_WEIGHT = 0.4  # googlenet and inception_v3 auxiliary heads, as torchvision's references
 
 
-def train_step(
-    model, criterion, optimizer, images, target, precision: Precision | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step. Returns the (device) loss and logits: no host synchronisation."""
-    precision = precision or Precision()
-    with precision.autocast():
-        output = model(images)
-        if isinstance(output, tuple):  # (logits, *auxiliary logits) in train mode
-            output, *aux = output
-            loss = criterion(output, target) + AUX_WEIGHT * sum(criterion(a, target) for a in aux)
-        else:
-            loss = criterion(output, target)
-    optimizer.zero_grad(set_to_none=True)
-    precision.backward_step(loss, optimizer)
-    return loss, output
+class Step:
+    """One optimizer step, read as forward / backward / optimizer step: accumulation, clipping and
+    non-finite checks go between these stages without touching the others. Gradients are
+    reduced over the ranks inside backward (DDP's buckets, FSDP's reduce-scatter). No stage
+    synchronises the host with the device."""
+
+    def __init__(
+        self, model: nn.Module, optimizer, precision: Precision | None = None, criterion=None
+    ):
+        self.model, self.optimizer = model, optimizer
+        self.precision = precision or Precision()
+        self.criterion = criterion or nn.CrossEntropyLoss()
+
+    def forward(self, images: torch.Tensor, target: torch.Tensor):
+        """The (device) loss and logits."""
+        with self.precision.autocast():
+            output = self.model(images)
+            if isinstance(output, tuple):  # (logits, *auxiliary logits) in train mode
+                output, *aux = output
+                aux_loss = sum(self.criterion(a, target) for a in aux)
+                return self.criterion(output, target) + AUX_WEIGHT * aux_loss, output
+            return self.criterion(output, target), output
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.backward(loss)
+
+    def optimizer_step(self) -> None:
+        self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)  # frees the gradients until the next backward
+
+    def __call__(self, images: torch.Tensor, target: torch.Tensor):
+        loss, output = self.forward(images, target)
+        self.backward(loss)
+        self.optimizer_step()
+        return loss, output
 
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, loader, env: DistEnv, criterion, precision: Precision | None = None
+    model: nn.Module, loader, env: DistEnv, precision: Precision | None = None
 ) -> dict[str, float]:
-    """Loss, acc1 and acc5 over the whole val set: each rank its own disjoint shard, sums
+    """Cross-entropy loss, acc1 and acc5 over the whole val set: each rank its own shard, sums
     all-reduced, so every image counts once at any world size.
 
-    Runs the unwrapped model: DDP's forward would sync buffers at every batch, which ranks with
-    fewer batches would never match. A collective: every rank must call it.
+    Runs the wrapped model, as training does (under fsdp there is no other): every rank's shard
+    is padded to the same number of batches (data/sampler.py EvalShard), and padded rows are
+    masked out of the sums. A collective: every rank must call it.
     """
     precision = precision or Precision()
-    model = unwrap(model)
-    broadcast_buffers(model, env)
+    # Under fsdp nothing else makes the ranks' BatchNorm statistics agree (DDP broadcasts them
+    # at each training forward): evaluate, as save, with rank 0's.
+    broadcast_buffers(unwrap(model), env)
     model.eval()
     sums = Sums(env.device)
     for images, target in loader:
@@ -64,7 +86,8 @@ def evaluate(
         target = target.to(env.device, non_blocking=True)
         with precision.autocast():
             output = model(images)
-            sums.add(criterion(output, target), output, target)
+        loss_sum = F.cross_entropy(output.float(), target, ignore_index=PADDING, reduction="sum")
+        sums.add_masked(loss_sum, output, target, target != PADDING)
     return sums.summary(env)
 
 
@@ -75,14 +98,13 @@ class Run:
     config: Config
     env: DistEnv
     data: Data
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
+    model: nn.Module  # wrapped by its strategy
+    optimizer: torch.optim.Optimizer  # over the wrapped model's parameters
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    meta: dict  # arch, num_classes, class_to_idx, config, data_seed: saved with every checkpoint
     log: MetricsLog
     seed: int
     precision: Precision
-    resolved_config: dict  # config.json: the configuration plus what the run resolved
+    checkpointer: Checkpointer | None  # None: nothing is saved (benchmarks, tests)
     stop: StopRequests
 
 
@@ -102,18 +124,9 @@ def _reseed(seed: int, epoch: int, step: int, rank: int) -> None:
 
 
 def save(run: Run, state: TrainState, is_best: bool = False) -> None:
-    """Writes a checkpoint of state (rank 0 writes; a collective when state carries the epoch's
-    train sums, which every rank contributed to)."""
-    env = run.env
-    if env.is_main:
-        model = unwrap(run.model)
-        scaler = run.precision.scaler
-        ckpt = files.payload(model, run.optimizer, run.scheduler, state, run.meta, scaler)
-        out_dir = run.log.path.parent
-        files.save(out_dir, ckpt, is_best, run.config.keep_last)
-        # Written with the checkpoint, not before: a run that fails early changes nothing.
-        config_json = json.dumps(run.resolved_config, indent=2).encode()
-        files.atomic_write(out_dir / "config.json", config_json)
+    """A checkpoint of state. A collective: every rank calls it."""
+    if run.checkpointer is not None:
+        run.checkpointer.save(state, is_best)
     run.stop.unsaved = False
 
 
@@ -129,7 +142,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
     """Trains epoch `epoch` from step state.epoch_step; returns its train record. Stops every
     rank, after a checkpoint, when a stop signal is agreed on."""
     config, env = run.config, run.env
-    model, criterion = run.model, nn.CrossEntropyLoss()
+    model, step_once = run.model, Step(run.model, run.optimizer, run.precision)
     model.train()
     sampler = run.data.train_sampler
     first = state.epoch_step
@@ -155,7 +168,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
         images = run.precision.inputs(images, env.device)
         target = target.to(env.device, non_blocking=True)
         _backward_fault(model, state.global_step + 1)
-        loss, output = train_step(model, criterion, run.optimizer, images, target, run.precision)
+        loss, output = step_once(images, target)
         sums.add(loss, output, target)
         state.global_step += 1
         state.epoch_step = step
@@ -193,21 +206,20 @@ def _stop(run: Run, state: TrainState, sums: Sums, carried: torch.Tensor, signum
         signum,
         f"stopped by {signal.Signals(signum).name} after global step {state.global_step} "
         f"({state.epoch_step} steps of epoch {state.epoch + 1} done); checkpoint in "
-        f"{run.log.path.parent}: continue with --resume auto",
+        f"{run.config.out_dir}: continue with --resume auto",
     )
 
 
 def fit(run: Run, state: TrainState) -> TrainState:
     config, env = run.config, run.env
     faults.set_rank(env.rank)
-    criterion = nn.CrossEntropyLoss()
-    out_dir = run.log.path.parent
+    out_dir = config.out_dir
     start, val = time.perf_counter(), None
     for epoch in range(state.epoch, config.epochs):
         lr = run.optimizer.param_groups[0]["lr"]
         train = train_epoch(run, epoch, state)
         run.scheduler.step()
-        val = evaluate(run.model, run.data.val_loader, env, criterion, run.precision)
+        val = evaluate(run.model, run.data.val_loader, env, run.precision)
         state.epoch, state.epoch_step, state.train_sums = epoch + 1, 0, None
         is_best = val["acc1"] > state.best_acc1
         state.best_acc1 = max(state.best_acc1, val["acc1"])

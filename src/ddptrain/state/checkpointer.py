@@ -1,0 +1,208 @@
+"""The Checkpointer: a run's state, gathered from its Stateful parts and restored into them.
+
+Called on EVERY rank. Each part (model, optimizer, scheduler, gradient scaler, EMA, ...) gives its
+state_dict on every rank, because under fsdp the full tensors are gathered to rank 0 by a
+collective; under ddp the same calls are local and give rank 0 its own copy. Rank 0 writes the
+single file (state/files.py: atomic, numbered, retained); the other ranks learn whether it
+succeeded, so a failed write ends every rank.
+
+The file holds (DESIGN.md): `model` (plain state dict, no wrapper prefixes, CPU tensors),
+`optimizer` (keyed by parameter name), `scheduler`, the run counters of `TrainState` (`epoch`,
+`global_step`, `best_acc1`, and to continue mid-epoch `epoch_step` and `train_sums`), the run's
+metadata (`arch`, `num_classes`, `class_to_idx`, `config`, `data_seed`) and `format_version`.
+Model-side randomness needs no saved state: it is derived from the seed, epoch, step and rank at
+every step, as augmentation is per sample.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ddptrain.dist.collectives import agree, broadcast_buffers
+from ddptrain.dist.env import DistEnv
+from ddptrain.errors import UserError
+from ddptrain.state import files
+
+FORMAT_VERSION = 1
+# Full tensors, on the CPU, on rank 0 only (the other ranks get empty dicts).
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+@dataclass
+class TrainState:
+    """The run's counters: where training is, and the best result so far."""
+
+    epoch: int = 0  # epochs completed
+    global_step: int = 0
+    best_acc1: float = 0.0
+    epoch_step: int = 0  # steps done in the epoch after `epoch`
+    train_sums: torch.Tensor | None = None  # that epoch's running train sums, all ranks
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "best_acc1": self.best_acc1,
+            "epoch_step": self.epoch_step,
+            "train_sums": self.train_sums,
+        }
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: dict) -> "TrainState":
+        return cls(
+            epoch=int(checkpoint.get("epoch", 0)),
+            global_step=int(checkpoint.get("global_step", 0)),
+            best_acc1=float(checkpoint.get("best_acc1", 0.0)),
+            epoch_step=int(checkpoint.get("epoch_step", 0)),
+            train_sums=checkpoint.get("train_sums"),
+        )
+
+
+class ModelState(Stateful):
+    """The weights of a plain, DDP or FSDP model as one plain state dict."""
+
+    def __init__(self, model: nn.Module, env: DistEnv, sharded: bool):
+        self.model, self.env, self.sharded = model, env, sharded
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.model, options=_GATHER)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, self._mine(state), options=_loading(self.sharded))
+
+    def _mine(self, state: dict) -> dict:
+        """What this rank passes in: a copy (the call consumes the dict it is given); under fsdp
+        only rank 0's, which the load broadcasts to the shards."""
+        return dict(state) if self.env.is_main or not self.sharded else {}
+
+
+class OptimizerState(ModelState):
+    """The optimizer's state keyed by parameter name, as one plain state dict."""
+
+    def __init__(self, model: nn.Module, optimizer, env: DistEnv, sharded: bool):
+        super().__init__(model, env, sharded)
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer, options=_GATHER)
+
+    def load_state_dict(self, state: dict) -> None:
+        options = _loading(self.sharded)
+        set_optimizer_state_dict(self.model, self.optimizer, self._mine(state), options=options)
+
+
+def training_parts(
+    model: nn.Module, optimizer, scheduler, env: DistEnv, scaler=None, sharded: bool = False
+) -> dict[str, Stateful]:
+    """The Stateful parts of a training run, by their names in the file. `model` is the
+    unwrapped module; `sharded`: it is an FSDP module. `scaler`: fp16's GradScaler, whose loss
+    scale a resumed run continues from."""
+    parts = {
+        "model": ModelState(model, env, sharded),
+        "optimizer": OptimizerState(model, optimizer, env, sharded),
+        "scheduler": scheduler,
+    }
+    if scaler is not None:
+        parts["scaler"] = scaler
+    return parts
+
+
+def _loading(sharded: bool) -> StateDictOptions:
+    # Separate model and optimizer loads: the combined set_state_dict with empty dicts on the
+    # other ranks deadlocks under fsdp (measured with torch 2.14).
+    return StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded)
+
+
+class Checkpointer:
+    """Saves and restores the run's parts; every method is called on every rank."""
+
+    def __init__(
+        self,
+        env: DistEnv,
+        out_dir: Path,
+        model: nn.Module,
+        parts: dict[str, Stateful],
+        meta: dict,
+        record: dict,
+        keep_last: int,
+    ):
+        self.env, self.out_dir, self.model = env, out_dir, model
+        self.parts, self.meta, self.record, self.keep_last = parts, meta, record, keep_last
+
+    def gather(self, state: TrainState) -> dict:
+        """The checkpoint of the run at `state`, whole on rank 0 (empty parts elsewhere). A
+        collective."""
+        # Rank 0's BatchNorm statistics on every rank, as saved: under fsdp nothing else keeps
+        # them equal, and the run goes on from what the checkpoint holds.
+        broadcast_buffers(self.model, self.env)
+        states = {name: part.state_dict() for name, part in self.parts.items()}
+        return {"format_version": FORMAT_VERSION, **states, **state.state_dict(), **self.meta}
+
+    def save(self, state: TrainState, is_best: bool = False) -> None:
+        """Writes checkpoint-<step>.pt (and model_best.pt when is_best) from rank 0, with
+        config.json beside it. A collective: a failed write ends every rank."""
+        checkpoint = self.gather(state)
+
+        def write() -> None:
+            if self.env.is_main:
+                files.save(self.out_dir, checkpoint, is_best, self.keep_last)
+                # Written with the checkpoint, not before: a run that fails early changes nothing.
+                config_json = json.dumps(self.record, indent=2).encode()
+                files.atomic_write(self.out_dir / "config.json", config_json)
+
+        agree(self.env, write)
+
+    def restore(self, checkpoint: dict) -> TrainState:
+        """Loads every part the checkpoint holds (check_fits has passed on every rank first:
+        a mismatch found inside the collective loads would leave the other ranks waiting)."""
+        for name, part in self.parts.items():
+            if name in checkpoint:
+                part.load_state_dict(checkpoint[name])
+        return TrainState.from_checkpoint(checkpoint)
+
+
+def check_compatible(checkpoint: dict, path: Path, arch: str, class_to_idx: dict) -> None:
+    if checkpoint.get("arch", arch) != arch:
+        raise UserError(f"--resume: {path} holds a {checkpoint['arch']} model, not --arch {arch}")
+    saved = checkpoint.get("class_to_idx")
+    if saved is not None and saved != class_to_idx:
+        only_saved = sorted(set(saved) - set(class_to_idx))
+        only_data = sorted(set(class_to_idx) - set(saved))
+        detail = (
+            f"only in the checkpoint: {only_saved}; only in the data: {only_data}"
+            if only_saved or only_data
+            else "same names, other order"
+        )
+        raise UserError(f"--resume: {path} was trained on other classes than the data ({detail})")
+
+
+def check_fits(checkpoint: dict, path: Path, model: nn.Module) -> None:
+    """The saved weights and optimizer state match the (unwrapped) model's names and shapes."""
+    own = model.state_dict()
+    saved = checkpoint["model"]
+    problems = [f"missing {k}" for k in own if k not in saved]
+    problems += [f"unexpected {k}" for k in saved if k not in own]
+    problems += [
+        f"{k} is {tuple(saved[k].shape)} in the checkpoint, {tuple(v.shape)} in the model"
+        for k, v in own.items()
+        if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape
+    ]
+    optimizer_state = checkpoint.get("optimizer", {}).get("state", {})
+    parameters = dict(model.named_parameters())
+    problems += [f"optimizer state for unknown {k}" for k in optimizer_state if k not in parameters]
+    if problems:
+        shown = "; ".join(problems[:3]) + (
+            f"; and {len(problems) - 3} more" if problems[3:] else ""
+        )
+        raise UserError(f"--resume: {path} does not fit this model: {shown}")
