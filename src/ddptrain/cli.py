@@ -141,6 +141,24 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model"
     )
+    p.add_argument(
+        "--strategy",
+        default=d.strategy,
+        help="ddp: a whole model on every rank; fsdp: parameters, gradients and optimizer "
+        "state sharded over the ranks (FSDP2)",
+    )
+    p.add_argument(
+        "--fsdp-offload",
+        action="store_true",
+        help="fsdp: keep parameters, gradients and optimizer state in host memory",
+    )
+    p.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=d.reshard_after_forward,
+        help="fsdp: free each gathered block after its forward (less memory, one more "
+        "all-gather in backward)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

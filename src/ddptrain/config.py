@@ -12,6 +12,7 @@ from ddptrain.errors import UserError
 DEVICES = ("auto", "cpu", "cuda", "mps", "xpu")
 BACKENDS = ("gloo", "nccl", "xccl", "mpi", "ucc")
 AMP = ("none", "bf16", "fp16")
+STRATEGIES = ("ddp", "fsdp")
 # Train crop of the built-in dataset, whose images are 40 px; real data gets ImageNet's 224.
 BUILTIN_IMAGE_SIZE = 32
 DEFAULT_IMAGE_SIZE = 224
@@ -63,6 +64,9 @@ class Config:
     amp: str | None = None
     channels_last: bool | None = None
     compile: bool | None = None
+    strategy: str = "ddp"  # ddp: a whole model per rank; fsdp: parameters sharded (FSDP2)
+    fsdp_offload: bool = False  # fsdp: parameters, gradients and optimizer state on the host
+    reshard_after_forward: bool = True  # fsdp: free gathered blocks after forward
 
     def __post_init__(self) -> None:
         if self.image_size is None:
@@ -98,6 +102,15 @@ class Config:
             )
         if self.amp is not None and self.amp not in AMP:
             raise UserError(f"--amp must be one of {', '.join(AMP)}, got {self.amp!r}")
+        if self.strategy not in STRATEGIES:
+            raise UserError(
+                f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
+            )
+        if self.strategy != "fsdp" and (self.fsdp_offload or not self.reshard_after_forward):
+            flag = "--fsdp-offload" if self.fsdp_offload else "--no-reshard-after-forward"
+            raise UserError(f"{flag} goes with --strategy fsdp")
+        if self.strategy == "fsdp" and self.compile:
+            raise UserError("--compile is not supported with --strategy fsdp; drop one of them")
         if self.device not in DEVICES:
             raise UserError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.no_accel and self.device not in ("auto", "cpu"):

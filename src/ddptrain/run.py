@@ -79,8 +79,11 @@ def _train(config: Config, env: DistEnv) -> TrainState:
         precision.place(model, env.device),
         env,
         gpu_pinned=config.gpu is not None,
+        strategy=config.strategy,
         arch=config.arch,
         amp_dtype=DTYPES[precision.amp],
+        offload=config.fsdp_offload,
+        reshard_after_forward=config.reshard_after_forward,
     )
     optimizer, scheduler = build_optimizer(model, config)
     meta, record = _records(config, env, loaders, precision, seed)
@@ -118,11 +121,17 @@ def _train(config: Config, env: DistEnv) -> TrainState:
         if env.is_main:
             print(
                 f"training {config.arch} on {loaders.num_classes} classes, {env.world_size} "
-                f"rank(s) on {env.device.type}, global batch {config.batch_size}, "
-                f"epochs {state.epoch}->{config.epochs}",
+                f"rank(s) on {env.device.type}, {_strategy(config, env)}, global batch "
+                f"{config.batch_size}, epochs {state.epoch}->{config.epochs}",
                 flush=True,
             )
         return trainer.fit(run, state)
+
+
+def _strategy(config: Config, env: DistEnv) -> str:
+    if not env.distributed:
+        return "one process (nothing to shard or replicate)"
+    return config.strategy
 
 
 def _restore(checkpointer, saved, resume, scheduler, config: Config, env: DistEnv) -> TrainState:

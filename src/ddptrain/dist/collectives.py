@@ -21,7 +21,7 @@ def _comm_device(env: DistEnv) -> torch.device:
     return env.device if dist.get_backend() != "gloo" else torch.device("cpu")
 
 
-def agree(env: DistEnv, action: Callable[[], object]) -> object:
+def agree(env: DistEnv, action: Callable[[], object], doing: str = "setting up") -> object:
     """action() on every rank; a UserError on any rank is raised on every rank.
 
     For setup steps that only some ranks may fail (a file missing on one node, an unwritable
@@ -37,7 +37,7 @@ def agree(env: DistEnv, action: Callable[[], object]) -> object:
         failed = torch.tensor([int(error is not None)], device=_comm_device(env))
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item() and error is None:
-            raise UserError("another rank failed while setting up; its output says why")
+            raise UserError(f"another rank failed while {doing}; its output says why")
     if error is not None:
         raise error
     return result
@@ -89,6 +89,14 @@ def broadcast_buffers(module: torch.nn.Module, env: DistEnv) -> None:
     if env.distributed:
         for buffer in module.buffers():
             dist.broadcast(buffer, src=0)
+
+
+def broadcast_module(module: torch.nn.Module, env: DistEnv) -> None:
+    """Rank 0's parameters and buffers on every rank, as DDP does when it wraps a model."""
+    if env.distributed:
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor, src=0)
 
 
 def rank0_first(env: DistEnv, fetch: Callable[[], object]) -> object:

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
+from ddptrain.dist.collectives import broadcast_module
 from ddptrain.dist.env import DistEnv
 from ddptrain.model import fsdp
 
@@ -36,6 +37,8 @@ def wrap(
     """
     assert strategy in STRATEGIES, strategy
     if env.distributed and strategy == "fsdp":
+        # Each rank built its own initial weights; FSDP2 keeps each rank's slice of its own.
+        broadcast_module(model, env)
         return fsdp.shard(model, arch, amp_dtype, offload, reshard_after_forward, env.device)
     if env.distributed:
         device_ids = None if env.device.type == "cpu" else [env.device.index]

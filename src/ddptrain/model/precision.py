@@ -86,6 +86,11 @@ def resolve_precision(
     saved = saved_config or {}
     amp = config.amp or saved.get("amp") or "none"
     channels_last = config.channels_last
+    if config.strategy == "fsdp":
+        # FSDP2 shards contiguous parameters only; a resumed ddp run's layout gives way.
+        if channels_last:
+            raise UserError("--channels-last is not supported with --strategy fsdp")
+        channels_last, saved = False, {**saved, "compile": False}
     if channels_last is None:
         channels_last = saved.get("channels_last", _convolutional(model))
     compiled = config.compile if config.compile is not None else saved.get("compile", False)

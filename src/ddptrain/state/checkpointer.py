@@ -161,7 +161,7 @@ class Checkpointer:
                 config_json = json.dumps(self.record, indent=2).encode()
                 files.atomic_write(self.out_dir / "config.json", config_json)
 
-        agree(self.env, write)
+        agree(self.env, write, doing="writing a checkpoint")
 
     def restore(self, checkpoint: dict) -> TrainState:
         """Loads every part the checkpoint holds (check_fits has passed on every rank first:

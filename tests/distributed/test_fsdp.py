@@ -1,0 +1,105 @@
+"""--strategy fsdp on real gloo ranks: the same training as ddp, and checkpoints that move
+between the strategies and world sizes."""
+
+import pytest
+import torch
+import torchvision
+from harness import run_ranks
+from torch import nn
+
+from ddptrain.config import Config
+from ddptrain.data.loaders import build_data
+from ddptrain.model.fsdp import shard_units
+from ddptrain.model.parallelize import is_sharded, unwrap, wrap
+from ddptrain.model.precision import Precision
+from ddptrain.state.checkpointer import Checkpointer, TrainState, training_parts
+from ddptrain.state.files import load
+from ddptrain.train import trainer
+
+META = {"arch": "resnet18", "num_classes": 3, "class_to_idx": {}, "config": {}}
+
+
+def group_norm_resnet(env):
+    """A BatchNorm-free resnet18 (GroupNorm), so ranks and strategies agree to float error; its
+    BasicBlocks are fsdp's units. Other ranks start from other weights: like DDP, fsdp must
+    start every rank from rank 0's."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=3, norm_layer=lambda c: nn.GroupNorm(4, c))
+    if env.rank != 0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    return model
+
+
+def full_weights(checkpointer: Checkpointer):
+    """The model's full state as one vector on rank 0 (None elsewhere). A collective."""
+    state = checkpointer.parts["model"].state_dict()
+    return torch.cat([v.flatten() for v in state.values()]) if checkpointer.env.is_main else None
+
+
+def train_epoch(env, root, out_dir, strategy, resume=None):
+    """One epoch (2 steps of global batch 12) from scratch or from `resume`, then a checkpoint."""
+    out_dir.mkdir(exist_ok=True)
+    config = Config(data=str(root), batch_size=12, workers=0, image_size=16)
+    loaders = build_data(config, env, root, seed=11)
+    model = wrap(group_norm_resnet(env), env, strategy=strategy, arch="resnet18")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=1e-4)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 30)
+    parts = training_parts(unwrap(model), optimizer, scheduler, env, sharded=is_sharded(model))
+    checkpointer = Checkpointer(env, out_dir, unwrap(model), parts, META, {}, keep_last=5)
+    state = TrainState() if resume is None else checkpointer.restore(load(resume))
+    loaders.train_sampler.set_epoch(state.epoch)
+    step = trainer.Step(model, optimizer)
+    for images, target in loaders.train_loader:
+        step(Precision().inputs(images, env.device), target)
+        state.global_step += 1
+    state.epoch += 1
+    checkpointer.save(state)
+    return full_weights(checkpointer)
+
+
+@pytest.fixture(scope="module")
+def first_epoch(tiny_data, tmp_path_factory):
+    """Epoch 1 on 2 ranks under each strategy: {strategy: (out_dir, weights)}."""
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        out_dir = tmp_path_factory.mktemp(strategy)
+        runs[strategy] = out_dir, run_ranks(train_epoch, 2, tiny_data, out_dir, strategy)[0]
+    return runs
+
+
+def test_fsdp_on_two_ranks_equals_ddp(first_epoch):
+    (_, ddp), (fsdp_dir, fsdp) = first_epoch["ddp"], first_epoch["fsdp"]
+    untrained = torch.cat([v.flatten() for v in group_norm_resnet(RANK0).state_dict().values()])
+    assert not torch.equal(ddp, untrained)
+    torch.testing.assert_close(fsdp, ddp, rtol=0, atol=1e-5)
+    saved = load(fsdp_dir / "checkpoint.pt")["model"]  # the file holds what rank 0 gathered
+    torch.testing.assert_close(torch.cat([v.flatten() for v in saved.values()]), fsdp)
+
+
+def test_checkpoints_move_between_strategies_and_world_sizes(tiny_data, tmp_path, first_epoch):
+    """Epoch 2 resumed under the other strategy and on other world sizes ends where ddp on 2
+    ranks does (optimizer state included, or they would differ)."""
+    from_ddp = first_epoch["ddp"][0] / "checkpoint.pt"
+    from_fsdp = first_epoch["fsdp"][0] / "checkpoint.pt"
+    reference = run_ranks(train_epoch, 2, tiny_data, tmp_path / "a", "ddp", from_ddp)[0]
+    resumed = {
+        "ddp checkpoint, fsdp on 2": (2, "fsdp", from_ddp),
+        "fsdp checkpoint, ddp on 1": (1, "ddp", from_fsdp),
+        "fsdp checkpoint, fsdp on 3": (3, "fsdp", from_fsdp),
+    }
+    for i, (name, (world, strategy, resume)) in enumerate(resumed.items()):
+        out_dir = tmp_path / str(i)
+        weights = run_ranks(train_epoch, world, tiny_data, out_dir, strategy, resume)[0]
+        torch.testing.assert_close(weights, reference, rtol=0, atol=1e-5, msg=name)
+
+
+def test_shard_units_are_the_blocks():
+    model = torchvision.models.resnet50()
+    assert [type(u).__name__ for u in shard_units(model)] == ["Bottleneck"] * 16
+    vgg = torchvision.models.vgg11()
+    assert len(shard_units(vgg)) == 8 + 3  # the convolutions of `features`, the Linears
+
+
+RANK0 = type("Rank0", (), {"rank": 0})()

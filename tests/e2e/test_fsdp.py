@@ -1,0 +1,84 @@
+"""--strategy fsdp through the real CLI under torchrun: the same guarantees as ddp.
+
+The tiny run of test_kills.py: 24 images, global batch 8, 3 steps an epoch, 2 epochs, a
+checkpoint every 2 steps and at each epoch's end.
+"""
+
+import pytest
+from cli import (
+    assert_same_training,
+    ddptrain,
+    ok,
+    tiny_args,
+    torchrun,
+    training_state,
+    val_records,
+)
+from test_user_errors import assert_user_error, timed
+
+
+def args(data, out, *extra):
+    return (
+        *("train", *tiny_args(data, out), "--resume", "auto", "--strategy", "fsdp"),
+        *("--epochs", 2, "--checkpoint-every", 2, *extra),
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    result = ok(torchrun(2, *args(tiny_data, out)))
+    assert "fsdp" in result.stdout
+    assert training_state(out)["global_step"] == 6
+    return out
+
+
+@pytest.mark.parametrize(("point", "rank", "step", "resumed_at"), [("data", 1, 5, 4)])
+def test_a_killed_fsdp_rank_restarts_and_ends_bitwise_equal(
+    tiny_data, tmp_path, uninterrupted, point, rank, step, resumed_at
+):
+    out, marker = tmp_path / "run", tmp_path / "killed"
+    env = {"DDPTRAIN_TEST_KILL": f"{point}:{rank}:{step}", "DDPTRAIN_TEST_KILL_ONCE": str(marker)}
+    result = ok(torchrun(2, *args(tiny_data, out), env=env, restarts=2))
+    assert marker.exists(), "the fault never fired"
+    assert f"resumed from {out}/checkpoint-{resumed_at:09d}.pt" in result.stdout
+    assert_same_training(uninterrupted, out)
+
+
+def test_an_fsdp_checkpoint_evaluated_in_one_process_gives_the_logged_counts(
+    tiny_data, tmp_path, uninterrupted
+):
+    # resnet18 has BatchNorm: the checkpoint holds the statistics the run evaluated with.
+    logged = val_records(uninterrupted)[-1]
+    result = ok(
+        ddptrain(
+            "eval", *tiny_args(tiny_data, tmp_path), "--resume", uninterrupted / "checkpoint.pt"
+        )
+    )
+    assert f"acc1 {logged['acc1']:.2f} acc5 {logged['acc5']:.2f} ({logged['samples']} images)" in (
+        result.stdout
+    )
+    evaluated = val_records(tmp_path)[-1]
+    assert evaluated["samples"] == logged["samples"] == 15
+    assert (evaluated["acc1"], evaluated["acc5"]) == (logged["acc1"], logged["acc5"])
+    assert evaluated["loss"] == pytest.approx(logged["loss"], rel=1e-5)
+
+
+def test_a_ddp_run_continues_under_fsdp(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    ok(torchrun(2, "train", *tiny_args(tiny_data, out), "--checkpoint-every", 2))
+    result = ok(torchrun(2, *args(tiny_data, out)))
+    assert f"resumed from {out}/checkpoint-000000003.pt" in result.stdout
+    assert training_state(out)["global_step"] == 6
+
+
+def test_fsdp_refuses_what_it_cannot_do(tiny_data, tmp_path):
+    for extra, needle in [
+        (("--compile",), "--compile is not supported with --strategy fsdp"),
+        (("--channels-last",), "--channels-last is not supported with --strategy fsdp"),
+        (("--strategy", "zero3"), "--strategy must be one of ddp, fsdp"),
+    ]:
+        result = timed(lambda e=extra: ddptrain(*args(tiny_data, tmp_path / "x", *e)))
+        assert_user_error(result, needle)
+    result = timed(lambda: ddptrain("train", *tiny_args(tiny_data, tmp_path), "--fsdp-offload"))
+    assert_user_error(result, "--fsdp-offload goes with --strategy fsdp")
