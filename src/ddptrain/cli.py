@@ -1,6 +1,7 @@
 """argv -> (command, options): the classic ImageNet example's flags, same names and meaning."""
 
 import argparse
+from pathlib import Path
 
 from ddptrain.config import Config
 from ddptrain.data.synth import SynthSpec
@@ -162,14 +163,29 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--val-per-class", type=int, default=s.val_per_class)
     synth.add_argument("--size", type=int, default=s.size, help="image side in px")
     synth.add_argument("--seed", type=int, default=s.seed)
+    _add_plot_flags(commands.add_parser("plot", help="draw runs' loss, accuracy, lr, samples/s"))
     return top
 
 
+def _add_plot_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="--out-dir of a run")
+    p.add_argument(
+        "-o",
+        "--out",
+        type=Path,
+        metavar="FILE.png",
+        help="default: RUN_DIR/metrics.png for one run, ./compare.png for several (.pdf, .svg too)",
+    )
+
+
 def parse(argv: list[str] | None = None) -> tuple[str, object]:
-    """Returns ("train", Config) for train and eval, ("synth", (SynthSpec, OUT)) for synth."""
+    """Returns ("train", Config) for train and eval, ("synth", (SynthSpec, OUT)) for synth,
+    ("plot", (RUN_DIRs, out or None))."""
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     launcher_local_rank = args.pop("launcher_local_rank")
+    if command == "plot":
+        return command, (args["run_dirs"], args["out"])
     if command == "synth":
         out = args.pop("out")
         spec = SynthSpec(**{k: v for k, v in args.items()})
@@ -189,6 +205,11 @@ def _run(argv: list[str] | None) -> None:
         spec, out = options
         write(spec, out, progress=True)
         print(f"wrote {spec.describe()} to {out}")
+        return
+    if command == "plot":
+        from ddptrain.report.plot import plot
+
+        print(f"wrote {plot(*options)}")
         return
     if options.multiprocessing_distributed:
         from ddptrain.dist.launch import spawn
