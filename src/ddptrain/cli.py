@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--size", type=int, default=s.size, help="image side in px")
     synth.add_argument("--seed", type=int, default=s.seed)
     _add_plot_flags(commands.add_parser("plot", help="draw runs' loss, accuracy, lr, samples/s"))
+    _add_export_flags(
+        commands.add_parser("export", help="a checkpoint's weights as .safetensors + .json")
+    )
     return top
 
 
@@ -178,14 +181,27 @@ def _add_plot_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_export_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", type=Path, metavar="CKPT", help="a ddptrain checkpoint")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="W.safetensors",
+        help="the weights file; W.json beside it describes the model and its input",
+    )
+
+
 def parse(argv: list[str] | None = None) -> tuple[str, object]:
     """Returns ("train", Config) for train and eval, ("synth", (SynthSpec, OUT)) for synth,
-    ("plot", (RUN_DIRs, out or None))."""
+    ("plot", (RUN_DIRs, out or None)) and ("export", (CKPT, out))."""
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     launcher_local_rank = args.pop("launcher_local_rank")
     if command == "plot":
         return command, (args["run_dirs"], args["out"])
+    if command == "export":
+        return command, (args["checkpoint"], args["out"])
     if command == "synth":
         out = args.pop("out")
         spec = SynthSpec(**{k: v for k, v in args.items()})
@@ -210,6 +226,15 @@ def _run(argv: list[str] | None) -> None:
         from ddptrain.report.plot import plot
 
         print(f"wrote {plot(*options)}")
+        return
+    if command == "export":
+        from ddptrain.tools.export import export, sidecar_path
+
+        checkpoint, out = options
+        model = export(checkpoint, out)
+        print(
+            f"wrote {out} and {sidecar_path(out)} ({model['arch']}, {model['num_classes']} classes)"
+        )
         return
     if options.multiprocessing_distributed:
         from ddptrain.dist.launch import spawn
