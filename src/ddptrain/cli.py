@@ -65,7 +65,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         help="evaluate the model on the validation set only",
     )
     p.add_argument(
-        "--pretrained", action="store_true", help="start from the architecture's default weights"
+        "--pretrained",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="FILE",
+        help="start from the architecture's default torchvision weights, or from FILE: a "
+        ".safetensors export or a ddptrain checkpoint (a head of another class count stays new)",
     )
     p.add_argument(
         "--world-size",
@@ -206,6 +212,11 @@ def parse(argv: list[str] | None = None) -> tuple[str, object]:
         out = args.pop("out")
         spec = SynthSpec(**{k: v for k, v in args.items()})
         return command, (spec, out)
+    given = args["pretrained"]
+    if isinstance(given, str) and given and args["data"] is None and Path(given).is_dir():
+        # The classic example's `--pretrained DATA`: the flag took no value then, and a weights
+        # file is never a directory.
+        args["data"], args["pretrained"] = args["pretrained"], True
     if args["local_rank"] is None:
         args["local_rank"] = launcher_local_rank
     if command == "eval":

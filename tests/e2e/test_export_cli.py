@@ -1,12 +1,20 @@
-"""`ddptrain export`, through the real CLI on the tiny dataset."""
+"""`ddptrain export` and `--pretrained FILE`, through the real CLI on the tiny dataset."""
 
 import json
 
 import pytest
 import torch
 import torchvision
-from cli import ddptrain, ok, tiny_args
+from cli import ddptrain, ok, tiny_args, val_records
 from safetensors.torch import load_file
+
+from ddptrain.data.synth import SynthSpec, write
+
+# run.py still passes only the arch to load_pretrained; these pass once it passes the file too
+# (`load_pretrained(model, config.arch, env, source=config.pretrained)`).
+AWAITS_RUN_WIRING = pytest.mark.xfail(
+    strict=True, reason="run.py does not pass config.pretrained to load_pretrained yet"
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +67,32 @@ def test_a_failed_export_is_one_line_and_leaves_the_earlier_files(trained, expor
     assert exported.read_bytes() == before
     result = ddptrain("export", trained / "checkpoint.pt", "--out", tmp_path / "w.pt")
     assert result.returncode == 2 and "must end in .safetensors" in result.stderr
+
+
+@AWAITS_RUN_WIRING
+def test_eval_with_pretrained_export_matches_eval_of_the_checkpoint(
+    tiny_data, trained, exported, tmp_path
+):
+    common = (tiny_data, "--image-size", "16", "-b", "8", "-j", "0")
+    ok(
+        ddptrain(
+            "eval", *common, "--resume", trained / "checkpoint.pt", "--out-dir", tmp_path / "a"
+        )
+    )
+    ok(ddptrain("eval", *common, "--pretrained", exported, "--out-dir", tmp_path / "b"))
+    (a,), (b,) = val_records(tmp_path / "a"), val_records(tmp_path / "b")
+    assert {**a, "epoch": 0} == b  # the same loss and accuracies; a pretrained model is at epoch 0
+
+
+@AWAITS_RUN_WIRING
+def test_pretrained_checkpoint_of_another_class_count_gets_a_new_head(tiny_data, tmp_path_factory):
+    four = write(
+        SynthSpec(classes=4, train_per_class=4, val_per_class=2, size=24, seed=1),
+        tmp_path_factory.mktemp("data") / "four",
+    )
+    source = tmp_path_factory.mktemp("four-run")
+    ok(ddptrain("train", *tiny_args(four, source)))
+    out = tmp_path_factory.mktemp("finetune")
+    pretrained = source / "checkpoint.pt"
+    result = ok(ddptrain("train", *tiny_args(tiny_data, out), "--pretrained", pretrained))
+    assert f"from {pretrained}: new weights for fc.bias, fc.weight" in result.stdout
