@@ -1,6 +1,7 @@
 """argv -> (command, options): the classic ImageNet example's flags, same names and meaning."""
 
 import argparse
+from pathlib import Path
 
 from ddptrain.config import Config
 from ddptrain.data.synth import SynthSpec
@@ -64,7 +65,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         help="evaluate the model on the validation set only",
     )
     p.add_argument(
-        "--pretrained", action="store_true", help="start from the architecture's default weights"
+        "--pretrained",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="FILE",
+        help="start from the architecture's default torchvision weights, or from FILE: a "
+        ".safetensors export or a ddptrain checkpoint (a head of another class count stays new)",
     )
     p.add_argument(
         "--world-size",
@@ -180,18 +187,54 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--val-per-class", type=int, default=s.val_per_class)
     synth.add_argument("--size", type=int, default=s.size, help="image side in px")
     synth.add_argument("--seed", type=int, default=s.seed)
+    _add_plot_flags(commands.add_parser("plot", help="draw runs' loss, accuracy, lr, samples/s"))
+    _add_export_flags(
+        commands.add_parser("export", help="a checkpoint's weights as .safetensors + .json")
+    )
     return top
 
 
+def _add_plot_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="--out-dir of a run")
+    p.add_argument(
+        "-o",
+        "--out",
+        type=Path,
+        metavar="FILE.png",
+        help="default: RUN_DIR/metrics.png for one run, ./compare.png for several (.pdf, .svg too)",
+    )
+
+
+def _add_export_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", type=Path, metavar="CKPT", help="a ddptrain checkpoint")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="W.safetensors",
+        help="the weights file; W.json beside it describes the model and its input",
+    )
+
+
 def parse(argv: list[str] | None = None) -> tuple[str, object]:
-    """Returns ("train", Config) for train and eval, ("synth", (SynthSpec, OUT)) for synth."""
+    """Returns ("train", Config) for train and eval, ("synth", (SynthSpec, OUT)) for synth,
+    ("plot", (RUN_DIRs, out or None)) and ("export", (CKPT, out))."""
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     launcher_local_rank = args.pop("launcher_local_rank")
+    if command == "plot":
+        return command, (args["run_dirs"], args["out"])
+    if command == "export":
+        return command, (args["checkpoint"], args["out"])
     if command == "synth":
         out = args.pop("out")
         spec = SynthSpec(**{k: v for k, v in args.items()})
         return command, (spec, out)
+    given = args["pretrained"]
+    if isinstance(given, str) and given and args["data"] is None and Path(given).is_dir():
+        # The classic example's `--pretrained DATA`: the flag took no value then, and a weights
+        # file is never a directory.
+        args["data"], args["pretrained"] = args["pretrained"], True
     if args["local_rank"] is None:
         args["local_rank"] = launcher_local_rank
     if command == "eval":
@@ -207,6 +250,20 @@ def _run(argv: list[str] | None) -> None:
         spec, out = options
         write(spec, out, progress=True)
         print(f"wrote {spec.describe()} to {out}")
+        return
+    if command == "plot":
+        from ddptrain.report.plot import plot
+
+        print(f"wrote {plot(*options)}")
+        return
+    if command == "export":
+        from ddptrain.tools.export import export, sidecar_path
+
+        checkpoint, out = options
+        model = export(checkpoint, out)
+        print(
+            f"wrote {out} and {sidecar_path(out)} ({model['arch']}, {model['num_classes']} classes)"
+        )
         return
     if options.multiprocessing_distributed:
         from ddptrain.dist.launch import spawn

@@ -40,7 +40,8 @@ class Config:
     print_freq: int = 10
     resume: str | None = None
     evaluate: bool = False
-    pretrained: bool = False
+    # True: the arch's default torchvision weights; a str: a .safetensors export or checkpoint.
+    pretrained: bool | str = False
     world_size: int = -1
     rank: int = -1
     dist_url: str = "env://"
@@ -133,6 +134,8 @@ class Config:
             raise UserError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
         if self.nproc_per_node is not None and not self.multiprocessing_distributed:
             raise UserError("--nproc-per-node goes with --multiprocessing-distributed")
+        if isinstance(self.pretrained, str) and not self.pretrained.strip():
+            raise UserError("--pretrained FILE: the path is empty")
         if self.evaluate and not (self.resume or self.pretrained):
             raise UserError("--evaluate needs weights: give --resume CKPT or --pretrained")
 

@@ -74,7 +74,7 @@ def _train(config: Config, env: DistEnv) -> TrainState:
     )
 
     if config.pretrained and saved is None:
-        load_pretrained(model, config.arch, env)
+        load_pretrained(model, config.arch, env, source=config.pretrained)
     model = wrap(
         precision.place(model, env.device),
         env,

@@ -96,7 +96,8 @@ def test_train_resume_and_eval_unpickle_nothing_unsafely(tiny_data, tmp_path, un
     assert _train("train", *common, "--epochs", "1", "--out-dir", tmp_path) == 0
     resume = (*common, "--epochs", "2", "--out-dir", tmp_path, "--resume", "auto")
     assert _train("train", *resume) == 0
-    assert _train("eval", *common, "--resume", tmp_path / "checkpoint.pt") == 0
+    evaluate = ("--resume", tmp_path / "checkpoint.pt", "--out-dir", tmp_path / "eval")
+    assert _train("eval", *common, *evaluate) == 0
 
 
 def test_pretrained_weights_unpickle_nothing_unsafely(
@@ -112,6 +113,7 @@ def test_pretrained_weights_unpickle_nothing_unsafely(
     monkeypatch.setattr("ddptrain.model.build._sha256", lambda path: prefix + "0" * 56)
     try:
         args = ("eval", tiny_data, "--image-size", "16", "-b", "8", "-j", "0", "--pretrained")
+        args = (*args, "--out-dir", tmp_path)
         assert _train(*args) == 0
     finally:
         cached.unlink()

@@ -1,4 +1,5 @@
-"""Models by torchvision name, optionally from the architecture's default weights."""
+"""Models by torchvision name, optionally from pretrained weights: the architecture's default
+torchvision weights, a `ddptrain export` (.safetensors) or a ddptrain checkpoint."""
 
 import hashlib
 from pathlib import Path
@@ -6,25 +7,29 @@ from urllib.parse import urlparse
 
 import torch
 import torchvision
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 from torch import nn
 
 from ddptrain.dist.collectives import rank0_first
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError, first_line
+from ddptrain.state.files import load as load_checkpoint
 from ddptrain.state.files import safe_load
 
 # These take their pretrained weights with ImageNet's input transform built in.
 TRANSFORM_INPUT = ("googlenet", "inception_v3")
 
 
-def build_model(arch: str, num_classes: int, image_size: int, pretrained: bool) -> nn.Module:
+def build_model(arch: str, num_classes: int, image_size: int, pretrained: bool | str) -> nn.Module:
     """arch with a num_classes head, checked to run on image_size crops.
 
     The check is one train-mode forward pass on the CPU (train mode: inception's auxiliary head
     needs 299 px): an architecture that cannot take the crop size is a user error, not a
     traceback in the first step. It leaves the weights and BatchNorm statistics as built.
     """
-    extra = {"transform_input": True} if pretrained and arch in TRANSFORM_INPUT else {}
+    # Only torchvision's own weights expect it (pretrained=True; a str is a file of ours).
+    extra = {"transform_input": True} if pretrained is True and arch in TRANSFORM_INPUT else {}
     model = torchvision.models.get_model(arch, num_classes=num_classes, **extra)
     # A no-grad forward changes only buffers (BatchNorm statistics): keep those, not the weights.
     as_built = [buffer.clone() for buffer in model.buffers()]
@@ -84,15 +89,97 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_pretrained(model: nn.Module, arch: str, env: DistEnv) -> None:
-    """The arch's default weights, downloaded by rank 0 first; a head of another size stays new.
+def load_pretrained(
+    model: nn.Module, arch: str, env: DistEnv, source: bool | str = True
+) -> list[str]:
+    """Initial weights for model: source True is the arch's default torchvision weights
+    (downloaded by rank 0 first), a str the path of a .safetensors export or a ddptrain
+    checkpoint. A head of another class count stays new; returns the names left new.
 
     A collective: every rank must call it.
     """
-    state = rank0_first(env, lambda: _pretrained_state(arch, show_progress=env.is_main))
+    if source is True:
+        state = rank0_first(env, lambda: _pretrained_state(arch, show_progress=env.is_main))
+        fresh, origin = _load_fitting(model, state), f"pretrained {arch}"
+    else:
+        # Loaded inside the collective: a file that does not fit ends every rank.
+        fresh = rank0_first(env, lambda: _load_file(model, arch, Path(source)))
+        origin = f"pretrained {arch} from {source}"
+    if env.is_main and fresh:
+        print(f"{origin}: new weights for {', '.join(fresh)}", flush=True)
+    return fresh
+
+
+def _load_fitting(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
+    """torchvision's weights: those whose shape fits (1000 classes rarely do in the head)."""
     own = model.state_dict()
     fits = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     model.load_state_dict(fits, strict=False)
-    fresh = sorted(k for k in set(own) - set(fits) if not k.endswith("num_batches_tracked"))
-    if env.is_main and fresh:
-        print(f"pretrained {arch}: new weights for {', '.join(fresh)}", flush=True)
+    return sorted(k for k in set(own) - set(fits) if not k.endswith("num_batches_tracked"))
+
+
+def _load_file(model: nn.Module, arch: str, path: Path) -> list[str]:
+    """Every weight of the file into model, strictly, but for a classifier head of another
+    class count, which stays new. A file for another arch is refused."""
+    state, file_arch = _read_weights_file(path)
+    if file_arch is not None and file_arch != arch:
+        raise UserError(
+            f"--pretrained: {path} holds {file_arch} weights, not --arch {arch}: "
+            f"pass -a {file_arch}, or a file for {arch}"
+        )
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise UserError(
+            f"--pretrained: {path} does not fit --arch {arch}: {len(missing)} weights missing "
+            f"({', '.join(missing[:3]) or 'none'}), {len(unexpected)} unexpected "
+            f"({', '.join(unexpected[:3]) or 'none'})"
+        )
+    head = _head_of_other_class_count(own, state, path)
+    model.load_state_dict({k: v for k, v in state.items() if k not in head}, strict=False)
+    return head
+
+
+def _head_of_other_class_count(own: dict, state: dict, path: Path) -> list[str]:
+    """The weights whose shapes differ, provided they differ only as a classifier head of
+    another class count does: in the first dimension, by the same two counts everywhere
+    (fc, or inception's and googlenet's auxiliary heads too)."""
+
+    def head_like(k: str) -> bool:
+        here, there = own[k].shape, state[k].shape
+        return len(here) == len(there) >= 1 and here[1:] == there[1:]
+
+    differ = sorted(k for k in own if own[k].shape != state[k].shape)
+    counts = {(own[k].shape[0], state[k].shape[0]) for k in differ if head_like(k)}
+    if differ and not (all(map(head_like, differ)) and len(counts) == 1):
+        k = next((k for k in differ if not head_like(k)), differ[0])
+        raise UserError(
+            f"--pretrained: {path} does not fit this model: {k} is {tuple(state[k].shape)} "
+            f"there and {tuple(own[k].shape)} here"
+        )
+    return differ
+
+
+def _read_weights_file(path: Path) -> tuple[dict[str, torch.Tensor], str | None]:
+    """(state dict, arch when the file says) of a .safetensors export or a ddptrain checkpoint,
+    neither read in a way that could run code."""
+    if path.is_dir() or not path.exists():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise UserError(
+            f"--pretrained: {path} {what}; give a .safetensors file from `ddptrain export` or "
+            "a ddptrain checkpoint (or --pretrained alone for torchvision's weights)"
+        )
+    if path.suffix == ".safetensors":
+        try:
+            with safe_open(path, framework="pt") as f:
+                arch = (f.metadata() or {}).get("arch")
+            return load_file(path), arch
+        except (SafetensorError, OSError) as err:
+            raise UserError(
+                f"--pretrained: {path} is not a readable safetensors file ({first_line(err)})"
+            ) from None
+    try:
+        checkpoint = load_checkpoint(path)
+    except UserError as err:
+        raise UserError(f"--pretrained: {err}") from None
+    return checkpoint["model"], checkpoint.get("arch")

@@ -1,0 +1,1 @@
+"""Commands that work on what training made, beside training itself (export, plan)."""

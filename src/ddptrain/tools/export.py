@@ -1,0 +1,68 @@
+"""`ddptrain export CKPT --out W.safetensors`: a checkpoint's weights for use outside ddptrain.
+
+W.safetensors holds the model's state dict (it loads strictly into
+`torchvision.models.get_model(arch, num_classes=num_classes)`); safetensors files hold tensors
+only, so loading one never runs code. W.json, beside it, says how to feed the model: arch,
+num_classes, classes (names in index order), image_size, val_resize, interpolation, mean, std.
+"""
+
+import json
+from pathlib import Path
+
+from safetensors.torch import save
+
+from ddptrain.data.transforms import MEAN, STD
+from ddptrain.errors import UserError
+from ddptrain.state import files
+
+SUFFIX = ".safetensors"
+
+
+def sidecar_path(weights: Path) -> Path:
+    return weights.with_suffix(".json")
+
+
+def export(checkpoint_path: Path, out: Path) -> dict:
+    """Writes out and its JSON sidecar, each atomically; returns the sidecar's contents."""
+    if out.suffix != SUFFIX:
+        raise UserError(f"export: --out {out} must end in {SUFFIX} (W.json goes beside it)")
+    if not out.parent.is_dir():
+        raise UserError(f"export: --out {out}: no directory {out.parent}")
+    if not checkpoint_path.is_file():
+        raise UserError(f"export: no checkpoint at {checkpoint_path}")
+    checkpoint = files.load(checkpoint_path)
+    description = describe(checkpoint, checkpoint_path)
+    # safetensors stores each tensor's bytes in row-major order: views must be made whole.
+    tensors = {name: tensor.contiguous() for name, tensor in checkpoint["model"].items()}
+    # The arch travels inside the file too, so --pretrained can refuse one for another model
+    # even without its sidecar.
+    metadata = {"format": "pt", "arch": description["arch"]}
+    metadata["num_classes"] = str(description["num_classes"])
+    # save() and the project's atomic writer rather than save_file(), which writes in place: a
+    # failed export must not leave a torn file where an earlier export was.
+    files.atomic_write(out, save(tensors, metadata=metadata))
+    sidecar = json.dumps(description, indent=2) + "\n"
+    files.atomic_write(sidecar_path(out), sidecar.encode())
+    return description
+
+
+def describe(checkpoint: dict, path: Path) -> dict:
+    """What a user of the weights needs besides them, from the checkpoint and its config."""
+    config = checkpoint.get("config") or {}
+    missing = [key for key in ("arch", "class_to_idx") if key not in checkpoint]
+    missing += [] if "image_size" in config else ["config.image_size"]
+    if missing:
+        raise UserError(f"export: {path} lacks {', '.join(missing)}: not a ddptrain training run")
+    class_to_idx = checkpoint["class_to_idx"]
+    image_size = int(config["image_size"])
+    return {
+        "arch": checkpoint["arch"],
+        "num_classes": int(checkpoint.get("num_classes", len(class_to_idx))),
+        "classes": sorted(class_to_idx, key=class_to_idx.get),
+        "image_size": image_size,
+        # The val preset (data/transforms.py): resize to 1/0.875 of the crop, then centre-crop.
+        "val_resize": int(config.get("val_resize") or round(image_size / 0.875)),
+        "interpolation": config.get("interpolation") or "bilinear",
+        "mean": list(MEAN),
+        "std": list(STD),
+    }
