@@ -4,11 +4,14 @@ recipes, and config.json fed back."""
 import json
 
 import pytest
+import torch
+from torch import nn
 
 from ddptrain.cli import parse
 from ddptrain.config import Config
 from ddptrain.config_layers import merge, read, recipes, resumed
 from ddptrain.errors import UserError
+from ddptrain.model.precision import resolve_precision
 
 
 def write(tmp_path, text, name="run.toml"):
@@ -177,3 +180,27 @@ def test_eval_shares_the_flags_and_the_files(tmp_path):
 def test_merge_is_usable_without_the_cli():
     c = merge({"lr": 0.2}, file={"epochs": 3}, saved={"epochs": 7, "momentum": 0.1})
     assert (c.lr, c.epochs, c.momentum) == (0.2, 3, 0.1)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--amp", "none"], ["--no-channels-last"], ["--compile", "--amp", "bf16"]],
+)
+@pytest.mark.parametrize(
+    "saved",
+    [
+        None,
+        {"amp": "bf16", "channels_last": False, "compile": True},
+        {"amp": "none", "channels_last": True, "compile": False},
+    ],
+)
+def test_the_checkpoint_layer_replaces_resolve_precisions_own_fallback(flags, saved):
+    """resolve_precision(config, saved) looks up the checkpoint itself; after `resumed` the
+    config already holds the checkpoint's settings, and resolve_precision(config, None) agrees."""
+    convnet = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
+    cpu = torch.device("cpu")
+    _, config = parse(["train", *flags])
+    saved_config = None if saved is None else {**Config().to_dict(), **saved}
+    today = resolve_precision(config, saved_config, convnet, cpu).settings()
+    merged = resolve_precision(resumed(config, saved_config), None, convnet, cpu).settings()
+    assert merged == today
