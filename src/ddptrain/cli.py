@@ -3,7 +3,8 @@
 import argparse
 from pathlib import Path
 
-from ddptrain.config import Config
+from ddptrain.config import SECTIONS, flag_name, settings
+from ddptrain.config_layers import kinds, merge, read, recipes
 from ddptrain.data.synth import SynthSpec
 from ddptrain.errors import report_errors
 
@@ -15,157 +16,53 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"ddptrain: error: {message} (see '{self.prog} --help')\n")
 
 
+def _default_text(value) -> str:
+    if isinstance(value, tuple):
+        return " ".join(_default_text(v) for v in value) or "none"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _add_flag(group, f) -> None:
+    """One train flag, from the Config field that documents it."""
+    scalar, nargs, _ = kinds()[f.name]
+    meta = f.metadata
+    names = meta["names"] or (flag_name(f.name),)
+    help_text = meta["help"]
+    if help_text is None:
+        help_text = argparse.SUPPRESS
+    elif f.default is not None and f.default is not False and f.default != ():
+        help_text += f" (default: {_default_text(f.default)})"
+    kwargs = dict(dest=f.name, help=help_text)
+    if nargs == "?":  # --pretrained [FILE]
+        kwargs.update(nargs="?", const=True, metavar=meta["metavar"])
+    elif scalar is bool:
+        negatable = meta["negatable"]
+        kwargs["action"] = argparse.BooleanOptionalAction if negatable else "store_true"
+    else:
+        choices = meta["choices"]
+        metavar = meta["metavar"] or ("|".join(choices) if choices else None)
+        if nargs == 2 and metavar is None:
+            metavar = ("MIN", "MAX")
+        kwargs.update(type=scalar, nargs=nargs, metavar=metavar)
+    group.add_argument(*names, **kwargs)
+
+
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
-    d = Config()
+    """The flags of train and eval, one per Config field. No defaults: only the flags given
+    reach config_layers.merge, which puts them above a config file and a checkpoint."""
+    fields = {f.name: f for f in settings()}
+    p.add_argument("data", nargs="?", metavar="DATA", help=fields.pop("data").metadata["help"])
     p.add_argument(
-        "data",
-        nargs="?",
-        metavar="DATA",
-        help="ImageFolder root with train/ and val/ (default: the built-in dataset)",
+        "--config",
+        metavar="FILE|recipe:NAME",
+        help="settings from a TOML file (keys: long flag names), a config.json a run wrote, "
+        f"or a shipped recipe: {', '.join(recipes())}; flags given here win",
     )
-    p.add_argument(
-        "-a", "--arch", default=d.arch, help=f"torchvision model name (default: {d.arch})"
-    )
-    p.add_argument(
-        "-j", "--workers", type=int, default=d.workers, help="data loading workers per rank"
-    )
-    p.add_argument("--epochs", type=int, default=d.epochs, help="total epochs to run")
-    p.add_argument(
-        "--start-epoch",
-        type=int,
-        default=d.start_epoch,
-        help="manual epoch number (useful on restarts)",
-    )
-    p.add_argument(
-        "-b",
-        "--batch-size",
-        type=int,
-        default=d.batch_size,
-        help="GLOBAL batch size, summed over all ranks and nodes",
-    )
-    p.add_argument(
-        "--lr", "--learning-rate", dest="lr", type=float, default=d.lr, help="initial learning rate"
-    )
-    p.add_argument("--momentum", type=float, default=d.momentum)
-    p.add_argument(
-        "--wd", "--weight-decay", dest="weight_decay", type=float, default=d.weight_decay
-    )
-    p.add_argument(
-        "-p", "--print-freq", type=int, default=d.print_freq, help="progress line every N steps"
-    )
-    p.add_argument(
-        "--resume",
-        metavar="PATH|auto",
-        help="checkpoint to resume from; auto: OUT_DIR/checkpoint.pt when present",
-    )
-    p.add_argument(
-        "-e",
-        "--evaluate",
-        action="store_true",
-        help="evaluate the model on the validation set only",
-    )
-    p.add_argument(
-        "--pretrained",
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="FILE",
-        help="start from the architecture's default torchvision weights, or from FILE: a "
-        ".safetensors export or a ddptrain checkpoint (a head of another class count stays new)",
-    )
-    p.add_argument(
-        "--world-size",
-        type=int,
-        default=d.world_size,
-        help="processes (with --multiprocessing-distributed: nodes)",
-    )
-    p.add_argument(
-        "--rank",
-        type=int,
-        default=d.rank,
-        help="process rank (with --multiprocessing-distributed: node rank)",
-    )
-    p.add_argument(
-        "--dist-url", default=d.dist_url, help="rendezvous: env:// (torchrun) or tcp://HOST:PORT"
-    )
-    p.add_argument(
-        "--dist-backend", default=d.dist_backend, help="default: nccl on CUDA, gloo on CPU"
-    )
-    p.add_argument("--seed", type=int, help="seed everything and use deterministic algorithms")
-    p.add_argument("--gpu", type=int, help="use this device index only")
-    p.add_argument(
-        "--multiprocessing-distributed",
-        action="store_true",
-        help="spawn --nproc-per-node processes on this node",
-    )
-    p.add_argument("--dummy", action="store_true", help="use random fake data (throughput tests)")
-    p.add_argument(
-        "--no-accel", action="store_true", help="run on the CPU even when an accelerator is present"
-    )
-    p.add_argument(
-        "--out-dir", default=d.out_dir, help="where checkpoints, metrics.jsonl and config.json go"
-    )
-    p.add_argument(
-        "--image-size", type=int, help="train crop in px (default 224; 32 on the built-in dataset)"
-    )
-    p.add_argument(
-        "--nproc-per-node",
-        type=int,
-        help="processes for --multiprocessing-distributed (default: accelerator count, 1 on CPU)",
-    )
-    p.add_argument("--device", default=d.device, help="auto|cpu|cuda|mps|xpu")
-    p.add_argument(
-        "--local-rank", "--local_rank", dest="local_rank", type=int, help=argparse.SUPPRESS
-    )
-    p.add_argument(
-        "--dist-timeout",
-        type=float,
-        default=d.dist_timeout,
-        metavar="SECONDS",
-        help="how long a rank waits for the others in a collective before giving up",
-    )
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=d.checkpoint_every,
-        metavar="N",
-        help="also checkpoint every N optimizer steps, mid-epoch (0: at epoch ends only)",
-    )
-    p.add_argument(
-        "--keep-last",
-        type=int,
-        default=d.keep_last,
-        metavar="K",
-        help="numbered checkpoints to keep in --out-dir (model_best.pt is kept apart)",
-    )
-    # Not set: a resumed run keeps its checkpoint's setting.
-    p.add_argument("--amp", help="autocast: none, bf16 (CPU and GPU), fp16 (CUDA, GradScaler)")
-    p.add_argument(
-        "--channels-last",
-        action=argparse.BooleanOptionalAction,
-        help="NHWC memory format (default: on for convolutional models)",
-    )
-    p.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model"
-    )
-    p.add_argument(
-        "--strategy",
-        default=d.strategy,
-        help="ddp: a whole model on every rank; fsdp: parameters, gradients and optimizer "
-        "state sharded over the ranks (FSDP2)",
-    )
-    p.add_argument(
-        "--fsdp-offload",
-        action="store_true",
-        help="fsdp: keep parameters, gradients and optimizer state in host memory",
-    )
-    p.add_argument(
-        "--reshard-after-forward",
-        action=argparse.BooleanOptionalAction,
-        default=d.reshard_after_forward,
-        help="fsdp: free each gathered block after its forward (less memory, one more "
-        "all-gather in backward)",
-    )
+    group = p
+    for name, f in fields.items():
+        if name in SECTIONS:
+            group = p.add_argument_group(SECTIONS[name])
+        _add_flag(group, f)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,8 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--local-rank", "--local_rank", dest="launcher_local_rank", type=int, help=argparse.SUPPRESS
     )
     commands = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    _add_train_flags(commands.add_parser("train", help="train a classifier"))
-    _add_train_flags(commands.add_parser("eval", help="evaluate a checkpoint (train --evaluate)"))
+    for name, summary in (
+        ("train", "train a classifier"),
+        ("eval", "evaluate a checkpoint (train --evaluate)"),
+    ):
+        _add_train_flags(
+            commands.add_parser(name, help=summary, argument_default=argparse.SUPPRESS)
+        )
     synth = commands.add_parser("synth", help="write the built-in dataset as an ImageFolder tree")
     s = SynthSpec()
     synth.add_argument("out", metavar="OUT")
@@ -230,16 +132,18 @@ def parse(argv: list[str] | None = None) -> tuple[str, object]:
         out = args.pop("out")
         spec = SynthSpec(**{k: v for k, v in args.items()})
         return command, (spec, out)
-    given = args["pretrained"]
-    if isinstance(given, str) and given and args["data"] is None and Path(given).is_dir():
+    given = args.get("pretrained")
+    if isinstance(given, str) and given and "data" not in args and Path(given).is_dir():
         # The classic example's `--pretrained DATA`: the flag took no value then, and a weights
         # file is never a directory.
         args["data"], args["pretrained"] = args["pretrained"], True
-    if args["local_rank"] is None:
+    if "local_rank" not in args and launcher_local_rank is not None:
         args["local_rank"] = launcher_local_rank
     if command == "eval":
         args["evaluate"] = True
-    return "train", Config(**args)
+    spec = args.pop("config", None)
+    file = None if spec is None else read(spec)
+    return "train", merge(args, file, file_name=f"--config {spec}")
 
 
 def _run(argv: list[str] | None) -> None:

@@ -1,11 +1,16 @@
-"""The run's configuration: one frozen dataclass, checked where it is built.
+"""The run's configuration: one frozen dataclass, documented field by field, checked where it is
+built.
 
-Runtime facts (rank, device, per-rank batch) live in `distributed.DistEnv`, never here.
+Each field's `help` is the documentation of its flag: cli.py builds the flags of `ddptrain
+train` from these fields, so the two cannot drift. config_layers.py merges the layers a Config
+is built from (defaults < checkpoint < --config FILE < flags).
+
+Runtime facts (rank, device, per-rank batch) live in `DistEnv`, never here.
 """
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ddptrain.errors import UserError
 
@@ -16,6 +21,7 @@ STRATEGIES = ("ddp", "fsdp")
 # Train crop of the built-in dataset, whose images are 40 px; real data gets ImageNet's 224.
 BUILTIN_IMAGE_SIZE = 32
 DEFAULT_IMAGE_SIZE = 224
+VAL_CROP_RATIO = 0.875  # ImageNet's: val resizes to round(crop / 0.875), then centre-crops
 
 
 @functools.cache
@@ -26,48 +32,215 @@ def architectures() -> tuple[str, ...]:
     return tuple(torchvision.models.list_models(module=torchvision.models))
 
 
+def _flag(default, help, *names, metavar=None, choices=None, invocation=False, negatable=False):
+    """A field and the documentation of its flag.
+
+    names: the flag's spellings (default: --field-name); help None hides the flag.
+    invocation: says where and how one process runs, not what it trains, so it is never taken
+    over from a checkpoint or a saved config.json (those describe another invocation).
+    negatable: a boolean that also gets --no-NAME, so a flag can undo a config file.
+    """
+    metadata = dict(
+        help=help,
+        names=names,
+        metavar=metavar,
+        choices=choices,
+        invocation=invocation,
+        negatable=negatable,
+    )
+    return field(default=default, metadata=metadata)
+
+
+# The first field of each group of flags in `--help`, and the group's title.
+SECTIONS = {
+    "arch": "the classic example's flags",
+    "out_dir": "ddptrain's own",
+    "crop_scale": "augmentation (train and val transforms)",
+    "label_smoothing": "loss",
+    "opt": "optimizer and learning-rate schedule",
+    "model_ema": "exponential moving average of the weights",
+}
+
+
 @dataclass(frozen=True)
 class Config:
-    data: str | None = None
-    arch: str = "resnet18"
-    workers: int = 4
-    epochs: int = 90
-    start_epoch: int = 0
-    batch_size: int = 256
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    print_freq: int = 10
-    resume: str | None = None
-    evaluate: bool = False
+    data: str | None = _flag(None, "ImageFolder root with train/ and val/ (default: built-in)")
+    arch: str = _flag("resnet18", "torchvision model name", "-a", "--arch")
+    workers: int = _flag(4, "data loading workers per rank", "-j", "--workers", invocation=True)
+    epochs: int = _flag(90, "total epochs to run")
+    start_epoch: int = _flag(0, "manual epoch number (useful on restarts)", invocation=True)
+    batch_size: int = _flag(
+        256, "GLOBAL batch size, summed over all ranks and nodes", "-b", "--batch-size"
+    )
+    lr: float = _flag(0.1, "initial learning rate", "--lr", "--learning-rate")
+    momentum: float = _flag(0.9, "SGD momentum")
+    weight_decay: float = _flag(1e-4, "weight decay", "--wd", "--weight-decay")
+    print_freq: int = _flag(10, "progress line every N steps", "-p", "--print-freq")
+    resume: str | None = _flag(
+        None,
+        "checkpoint to resume from; auto: the newest intact one in --out-dir",
+        metavar="PATH|auto",
+        invocation=True,
+    )
+    evaluate: bool = _flag(
+        False, "evaluate the model on the validation set only", "-e", "--evaluate", invocation=True
+    )
     # True: the arch's default torchvision weights; a str: a .safetensors export or checkpoint.
-    pretrained: bool | str = False
-    world_size: int = -1
-    rank: int = -1
-    dist_url: str = "env://"
-    dist_backend: str | None = None
-    seed: int | None = None
-    gpu: int | None = None
-    multiprocessing_distributed: bool = False
-    dummy: bool = False
-    no_accel: bool = False
-    out_dir: str = "."
-    image_size: int | None = None
-    nproc_per_node: int | None = None
-    device: str = "auto"
-    local_rank: int | None = None
+    pretrained: bool | str = _flag(
+        False,
+        "start from the architecture's default torchvision weights, or from FILE: a "
+        ".safetensors export or a ddptrain checkpoint (a head of another class count stays new)",
+        metavar="FILE",
+    )
+    world_size: int = _flag(
+        -1, "processes (with --multiprocessing-distributed: nodes)", invocation=True
+    )
+    rank: int = _flag(
+        -1, "process rank (with --multiprocessing-distributed: node rank)", invocation=True
+    )
+    dist_url: str = _flag(
+        "env://", "rendezvous: env:// (torchrun) or tcp://HOST:PORT", invocation=True
+    )
+    dist_backend: str | None = _flag(
+        None, "default: nccl on CUDA, gloo on CPU", choices=BACKENDS, invocation=True
+    )
+    seed: int | None = _flag(None, "seed everything and use deterministic algorithms")
+    gpu: int | None = _flag(None, "use this device index only", invocation=True)
+    multiprocessing_distributed: bool = _flag(
+        False, "spawn --nproc-per-node processes on this node", invocation=True
+    )
+    dummy: bool = _flag(False, "use random fake data (throughput tests)")
+    no_accel: bool = _flag(
+        False, "run on the CPU even when an accelerator is present", invocation=True
+    )
+    out_dir: str = _flag(
+        ".", "where checkpoints, metrics.jsonl and config.json go", invocation=True
+    )
+    image_size: int | None = _flag(
+        None, "train crop in px (default 224; 32 on the built-in dataset)", metavar="PX"
+    )
+    nproc_per_node: int | None = _flag(
+        None,
+        "processes for --multiprocessing-distributed (default: accelerator count, 1 on CPU)",
+        invocation=True,
+    )
+    device: str = _flag("auto", "where to run", choices=DEVICES, invocation=True)
+    local_rank: int | None = _flag(None, None, "--local-rank", "--local_rank", invocation=True)
     # Well below gloo's 30 minutes, so a stalled rank ends the others instead of the job; long
     # enough for rank 0 to download big weights or save a big checkpoint while others wait.
-    dist_timeout: float = 600.0
-    checkpoint_every: int = 0  # optimizer steps between mid-epoch checkpoints; 0: epoch ends only
-    keep_last: int = 2  # numbered checkpoints kept, so a damaged newest one has a predecessor
+    dist_timeout: float = _flag(
+        600.0,
+        "how long a rank waits for the others in a collective before giving up",
+        metavar="SECONDS",
+        invocation=True,
+    )
+    checkpoint_every: int = _flag(
+        0, "also checkpoint every N optimizer steps, mid-epoch (0: at epoch ends only)", metavar="N"
+    )
+    # Numbered checkpoints kept, so a damaged newest one has a predecessor.
+    keep_last: int = _flag(
+        2, "numbered checkpoints to keep in --out-dir (model_best.pt is kept apart)", metavar="K"
+    )
     # None: the resumed checkpoint's setting, else none / on for convolutional models / off.
-    amp: str | None = None
-    channels_last: bool | None = None
-    compile: bool | None = None
-    strategy: str = "ddp"  # ddp: a whole model per rank; fsdp: parameters sharded (FSDP2)
-    fsdp_offload: bool = False  # fsdp: parameters, gradients and optimizer state on the host
-    reshard_after_forward: bool = True  # fsdp: free gathered blocks after forward
+    amp: str | None = _flag(
+        None, "autocast: none, bf16 (CPU and GPU), fp16 (CUDA, GradScaler)", choices=AMP
+    )
+    channels_last: bool | None = _flag(
+        None, "NHWC memory format (default: on for convolutional models)", negatable=True
+    )
+    compile: bool | None = _flag(None, "torch.compile the model", negatable=True)
+    strategy: str = _flag(
+        "ddp",
+        "ddp: a whole model on every rank; fsdp: parameters, gradients and optimizer state "
+        "sharded over the ranks (FSDP2)",
+        choices=STRATEGIES,
+    )
+    fsdp_offload: bool = _flag(
+        False, "fsdp: keep parameters, gradients and optimizer state in host memory"
+    )
+    reshard_after_forward: bool = _flag(
+        True,
+        "fsdp: free each gathered block after its forward (less memory, one more all-gather)",
+        negatable=True,
+    )
+
+    crop_scale: tuple[float, float] = _flag(
+        (0.08, 1.0), "share of the image's area a train crop covers (RandomResizedCrop)"
+    )
+    crop_ratio: tuple[float, float] = _flag((3 / 4, 4 / 3), "aspect ratios of train crops")
+    hflip: float = _flag(
+        0.5, "probability of a horizontal flip (0: off; glyphs, text)", metavar="P"
+    )
+    auto_augment: str = _flag(
+        "none",
+        "policy: RandAugment, TrivialAugmentWide, AugMix, AutoAugment's ImageNet, none",
+        choices=("ra", "ta_wide", "augmix", "imagenet", "none"),
+    )
+    ra_magnitude: int = _flag(
+        9, "RandAugment's magnitude, 0-30 (with --auto-augment ra)", metavar="M"
+    )
+    random_erase: float = _flag(
+        0.0, "probability of erasing a random rectangle to the mean colour (0: off)", metavar="P"
+    )
+    interpolation: str = _flag(
+        "bilinear", "resampling of crops and resizes", choices=("bilinear", "bicubic", "nearest")
+    )
+    val_resize: int | None = _flag(
+        None, "val: resize the short side to this (default: round(val crop / 0.875))", metavar="PX"
+    )
+    val_crop: int | None = _flag(
+        None, "val: centre crop in px (default: --image-size)", metavar="PX"
+    )
+
+    label_smoothing: float = _flag(0.0, "cross-entropy label smoothing, in [0, 1)", metavar="EPS")
+    mixup_alpha: float = _flag(
+        0.0, "mixup of batch pairs, Beta(alpha, alpha) (0: off)", metavar="ALPHA"
+    )
+    cutmix_alpha: float = _flag(
+        0.0,
+        "cutmix of batch pairs, Beta(alpha, alpha) (0: off; with mixup: either, 50/50)",
+        metavar="ALPHA",
+    )
+
+    opt: str = _flag("sgd", "optimizer", choices=("sgd", "sgd-nesterov", "adamw"))
+    norm_weight_decay: float | None = _flag(
+        None, "weight decay of norm layers and biases (default: --weight-decay)", metavar="WD"
+    )
+    lr_scheduler: str = _flag(
+        "step",
+        "LR schedule, stepped at every optimizer step",
+        choices=("step", "multistep", "cosine", "none"),
+    )
+    lr_step_size: int = _flag(30, "step: epochs between LR drops", metavar="EPOCHS")
+    lr_gamma: float = _flag(0.1, "step, multistep: LR factor at each drop", metavar="FACTOR")
+    lr_milestones: tuple[int, ...] = _flag(
+        (), "multistep: epochs at which the LR drops", metavar="EPOCH"
+    )
+    lr_min: float = _flag(0.0, "cosine: the LR it ends at", metavar="LR")
+    lr_warmup_epochs: float = _flag(
+        0.0, "epochs of linear warmup before the schedule", metavar="EPOCHS"
+    )
+    lr_warmup_decay: float = _flag(0.01, "warmup starts at the LR times this", metavar="FACTOR")
+    lr_base: float | None = _flag(
+        None,
+        "instead of --lr: the LR for a global batch of --lr-base-batch, scaled to -b",
+        metavar="LR",
+    )
+    lr_base_batch: int = _flag(256, "the global batch --lr-base is given for", metavar="B")
+
+    model_ema: bool = _flag(False, "evaluate and keep an EMA of the weights", negatable=True)
+    model_ema_decay: float = _flag(
+        0.9999,
+        "EMA decay per optimizer step (of the global batch: any world size)",
+        metavar="DECAY",
+    )
+    model_ema_steps: int = _flag(
+        32, "update the EMA every N optimizer steps (decay^N each time)", metavar="N"
+    )
+
+    # Not a setting: the fields a config file or a flag gave, which a checkpoint's settings
+    # must not replace on resume (config_layers.resumed).
+    given: frozenset = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.image_size is None:
@@ -75,6 +248,7 @@ class Config:
             size = BUILTIN_IMAGE_SIZE if builtin else DEFAULT_IMAGE_SIZE
             object.__setattr__(self, "image_size", size)
         self._check()
+        self._check_recipe()
 
     def _check(self) -> None:
         at_least = {
@@ -101,27 +275,16 @@ class Config:
                 f"--arch: unknown architecture {self.arch!r}; choose one of: "
                 + ", ".join(architectures())
             )
-        if self.amp is not None and self.amp not in AMP:
-            raise UserError(f"--amp must be one of {', '.join(AMP)}, got {self.amp!r}")
-        if self.strategy not in STRATEGIES:
-            raise UserError(
-                f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
-            )
-        if self.strategy != "fsdp" and (self.fsdp_offload or not self.reshard_after_forward):
-            flag = "--fsdp-offload" if self.fsdp_offload else "--no-reshard-after-forward"
-            raise UserError(f"{flag} goes with --strategy fsdp")
-        if self.strategy == "fsdp" and self.compile:
-            raise UserError("--compile is not supported with --strategy fsdp; drop one of them")
-        if self.device not in DEVICES:
-            raise UserError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        for f in dataclasses.fields(self):
+            choices, value = f.metadata.get("choices"), getattr(self, f.name)
+            if choices and value is not None and value not in choices:
+                raise UserError(
+                    f"{flag_name(f.name)} must be one of {', '.join(choices)}, got {value!r}"
+                )
         if self.no_accel and self.device not in ("auto", "cpu"):
             raise UserError(f"--no-accel contradicts --device {self.device}")
         if self.gpu is not None and (self.gpu < 0 or self.no_accel or self.device == "cpu"):
             raise UserError(f"--gpu {self.gpu} needs an accelerator device and an index >= 0")
-        if self.dist_backend is not None and self.dist_backend not in BACKENDS:
-            raise UserError(
-                f"--dist-backend must be one of {', '.join(BACKENDS)}, got {self.dist_backend!r}"
-            )
         if not self.dist_url.startswith(("env://", "tcp://", "file://")):
             raise UserError(
                 f"--dist-url must start with env://, tcp:// or file://: {self.dist_url}"
@@ -136,8 +299,72 @@ class Config:
             raise UserError("--nproc-per-node goes with --multiprocessing-distributed")
         if isinstance(self.pretrained, str) and not self.pretrained.strip():
             raise UserError("--pretrained FILE: the path is empty")
+        if self.strategy != "fsdp" and (self.fsdp_offload or not self.reshard_after_forward):
+            flag = "--fsdp-offload" if self.fsdp_offload else "--no-reshard-after-forward"
+            raise UserError(f"{flag} goes with --strategy fsdp")
+        if self.strategy == "fsdp" and self.compile:
+            raise UserError("--compile is not supported with --strategy fsdp; drop one of them")
         if self.evaluate and not (self.resume or self.pretrained):
             raise UserError("--evaluate needs weights: give --resume CKPT or --pretrained")
+
+    def _check_recipe(self) -> None:
+        """The augmentation, loss, optimizer, schedule and EMA settings."""
+        low, high = self.crop_scale
+        if not 0 < low <= high <= 1:
+            raise UserError(f"--crop-scale MIN MAX needs 0 < MIN <= MAX <= 1, got {low} {high}")
+        low, high = self.crop_ratio
+        if not 0 < low <= high:
+            raise UserError(f"--crop-ratio MIN MAX needs 0 < MIN <= MAX, got {low} {high}")
+        within = {
+            "--hflip": (self.hflip, 0, 1),
+            "--random-erase": (self.random_erase, 0, 1),
+            "--ra-magnitude": (self.ra_magnitude, 0, 30),
+            "--lr-warmup-decay": (self.lr_warmup_decay, 1e-12, 1),
+            "--model-ema-decay": (self.model_ema_decay, 0, 1),
+        }
+        for flag, (value, low, high) in within.items():
+            if not low <= value <= high:
+                raise UserError(f"{flag} must be between {low:g} and {high:g}, got {value}")
+        if not 0 <= self.label_smoothing < 1:
+            raise UserError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        not_negative = {
+            "--mixup-alpha": self.mixup_alpha,
+            "--cutmix-alpha": self.cutmix_alpha,
+            "--norm-weight-decay": self.norm_weight_decay or 0.0,
+            "--lr-min": self.lr_min,
+            "--lr-warmup-epochs": self.lr_warmup_epochs,
+        }
+        for flag, value in not_negative.items():
+            if value < 0:
+                raise UserError(f"{flag} must not be negative, got {value}")
+        positive = {
+            "--lr-step-size": self.lr_step_size,
+            "--lr-gamma": self.lr_gamma,
+            "--lr-base": 1 if self.lr_base is None else self.lr_base,
+            "--lr-base-batch": self.lr_base_batch,
+            "--model-ema-steps": self.model_ema_steps,
+        }
+        for flag, value in positive.items():
+            if value <= 0:
+                raise UserError(f"{flag} must be positive, got {value}")
+        crop = self.val_crop or self.image_size
+        if crop < 16 or (self.val_resize is not None and self.val_resize < crop):
+            raise UserError(
+                f"--val-crop must be at least 16 and --val-resize at least the crop; got crop "
+                f"{crop}, resize {self.val_resize}"
+            )
+        if self.opt == "sgd-nesterov" and self.momentum <= 0:
+            raise UserError("--opt sgd-nesterov needs --momentum above 0")
+        milestones = self.lr_milestones
+        if self.lr_scheduler == "multistep" and not milestones:
+            raise UserError("--lr-scheduler multistep needs --lr-milestones EPOCH [EPOCH ...]")
+        if any(m < 1 for m in milestones) or list(milestones) != sorted(set(milestones)):
+            raise UserError(f"--lr-milestones must rise and be >= 1, got {list(milestones)}")
+        if self.lr_scheduler == "cosine" and 0 < self.epochs <= self.lr_warmup_epochs:
+            raise UserError(
+                f"--lr-warmup-epochs {self.lr_warmup_epochs:g} leaves no epochs of --epochs "
+                f"{self.epochs} for the cosine schedule"
+            )
 
     def check_batch_divides(self, world_size: int) -> None:
         if self.batch_size % world_size:
@@ -147,4 +374,14 @@ class Config:
             )
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {f.name: getattr(self, f.name) for f in settings()}
+
+
+def settings() -> tuple[dataclasses.Field, ...]:
+    """The fields that are settings (all but `given`)."""
+    return tuple(f for f in dataclasses.fields(Config) if f.name != "given")
+
+
+def flag_name(name: str) -> str:
+    """The long flag of a field: `weight_decay` -> `--weight-decay`."""
+    return "--" + name.replace("_", "-")

@@ -133,3 +133,65 @@ def test_precision_flags():
     assert (c.amp, c.channels_last, c.compile) == ("bf16", False, True)
     _, c = parse(["train"])
     assert (c.amp, c.channels_last, c.compile) == (None, None, None)  # resolved at run time
+
+
+@pytest.mark.parametrize(
+    ("overrides", "flag"),
+    [
+        ({"crop_scale": (0.0, 1.0)}, "--crop-scale"),
+        ({"crop_scale": (0.9, 0.5)}, "--crop-scale"),
+        ({"crop_ratio": (2.0, 1.0)}, "--crop-ratio"),
+        ({"hflip": 1.5}, "--hflip"),
+        ({"random_erase": -0.1}, "--random-erase"),
+        ({"ra_magnitude": 31}, "--ra-magnitude"),
+        ({"auto_augment": "fancy"}, "--auto-augment"),
+        ({"interpolation": "lanczos"}, "--interpolation"),
+        ({"val_crop": 8}, "--val-crop"),
+        ({"image_size": 64, "val_resize": 60}, "--val-resize"),
+        ({"label_smoothing": 1.0}, "--label-smoothing"),
+        ({"mixup_alpha": -1.0}, "--mixup-alpha"),
+        ({"opt": "lamb"}, "--opt"),
+        ({"opt": "sgd-nesterov", "momentum": 0.0}, "--opt sgd-nesterov"),
+        ({"norm_weight_decay": -1.0}, "--norm-weight-decay"),
+        ({"lr_scheduler": "poly"}, "--lr-scheduler"),
+        ({"lr_scheduler": "multistep"}, "--lr-milestones"),
+        ({"lr_milestones": (20, 10)}, "--lr-milestones"),
+        ({"lr_gamma": 0.0}, "--lr-gamma"),
+        ({"lr_step_size": 0}, "--lr-step-size"),
+        ({"lr_scheduler": "cosine", "epochs": 5, "lr_warmup_epochs": 5}, "--lr-warmup-epochs"),
+        ({"lr_warmup_decay": 0.0}, "--lr-warmup-decay"),
+        ({"lr_base": 0.0}, "--lr-base"),
+        ({"lr_base_batch": 0}, "--lr-base-batch"),
+        ({"model_ema_decay": 1.5}, "--model-ema-decay"),
+        ({"model_ema_steps": 0}, "--model-ema-steps"),
+    ],
+)
+def test_bad_recipe_values_name_their_flag(overrides, flag):
+    with pytest.raises(UserError, match=flag):
+        Config(**overrides)
+
+
+def test_the_recipe_flags_parse():
+    _, c = parse(
+        [
+            "train",
+            "--crop-scale",
+            "0.25",
+            "1",
+            "--hflip",
+            "0",
+            "--auto-augment",
+            "ra",
+            "--lr-scheduler",
+            "multistep",
+            "--lr-milestones",
+            "30",
+            "60",
+            "--model-ema",
+            "--val-resize",
+            "40",
+        ]
+    )
+    assert (c.crop_scale, c.hflip, c.auto_augment) == ((0.25, 1.0), 0.0, "ra")
+    assert (c.lr_milestones, c.model_ema, c.val_resize) == ((30, 60), True, 40)
+    assert parse(["train", "--model-ema", "--no-model-ema"])[1].model_ema is False

@@ -16,7 +16,7 @@ from torchvision.transforms import v2
 from ddptrain.config import Config
 from ddptrain.data.folder import check_same_classes, image_folder
 from ddptrain.data.sampler import EvalShard, GlobalBatchSampler, SeededSamples
-from ddptrain.data.transforms import train_transform, val_transform
+from ddptrain.data.transforms import build_train_transform, build_val_transform
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
 
@@ -37,25 +37,27 @@ class Data:
 
 
 def _datasets(config: Config, data_root: Path | None):
-    size = config.image_size
+    train_transform, val_transform = build_train_transform(config), build_val_transform(config)
     if config.dummy:
+        size = config.image_size
         shape = (3, size, size)
         # FakeData makes PIL images: as tensors, they take the same path as decoded files.
+        to_tensor = v2.PILToTensor()
         train = datasets.FakeData(
-            DUMMY_TRAIN, shape, DUMMY_CLASSES, v2.Compose([v2.PILToTensor(), train_transform(size)])
+            DUMMY_TRAIN, shape, DUMMY_CLASSES, v2.Compose([to_tensor, train_transform])
         )
         val = datasets.FakeData(
             DUMMY_VAL,
             shape,
             DUMMY_CLASSES,
-            v2.Compose([v2.PILToTensor(), val_transform(size)]),
+            v2.Compose([to_tensor, val_transform]),
             random_offset=1,
         )
         return train, val, {str(i): i for i in range(DUMMY_CLASSES)}
-    val = image_folder(data_root / "val", val_transform(size))
+    val = image_folder(data_root / "val", val_transform)
     if config.evaluate:
         return None, val, val.class_to_idx
-    train = image_folder(data_root / "train", train_transform(size))
+    train = image_folder(data_root / "train", train_transform)
     check_same_classes(train, val)
     return train, val, train.class_to_idx
 

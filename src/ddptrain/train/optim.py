@@ -1,27 +1,69 @@
-"""SGD with momentum and weight decay, and the classic example's step schedule."""
-
-import warnings
+"""The optimizer from the flags (--opt, --norm-weight-decay, --lr or --lr-base), and its LR
+schedule (train/schedule.py)."""
 
 from torch import nn, optim
 
 from ddptrain.config import Config
+from ddptrain.train.schedule import build_scheduler, fast_forward
 
-STEP_EPOCHS, STEP_GAMMA = 30, 0.1  # the classic example: lr / 10 every 30 epochs
+__all__ = ["base_lr", "build_optimizer", "fast_forward", "param_groups"]
+
+# Layers whose parameters scale activations rather than mix them, which weight decay would
+# only pull towards zero (torchvision's references: `set_weight_decay`).
+NORM_LAYERS = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+)
+
+
+def base_lr(config: Config) -> float:
+    """The LR the schedule starts from (after any warmup): --lr, or with the linear scaling
+    rule --lr-base x global batch / --lr-base-batch."""
+    if config.lr_base is not None:
+        return config.lr_base * config.batch_size / config.lr_base_batch
+    return config.lr
+
+
+def param_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float | None):
+    """The model's trainable parameters, with weight decay: one group, or with
+    norm_weight_decay, a second for the parameters of norm layers and all biases."""
+    if norm_weight_decay is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            norm = isinstance(module, NORM_LAYERS) or name == "bias"
+            (no_decay if norm else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": norm_weight_decay},
+    ]
+    return [g for g in groups if g["params"]]
 
 
 def build_optimizer(
-    model: nn.Module, config: Config
+    model: nn.Module, config: Config, steps_per_epoch: int = 1
 ) -> tuple[optim.Optimizer, optim.lr_scheduler.LRScheduler]:
-    optimizer = optim.SGD(
-        model.parameters(), config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-    )
-    scheduler = optim.lr_scheduler.StepLR(optimizer, STEP_EPOCHS, STEP_GAMMA)
-    return optimizer, scheduler
-
-
-def fast_forward(scheduler: optim.lr_scheduler.LRScheduler, epochs: int) -> None:
-    """Puts a fresh schedule at `epochs` (for --start-epoch without a checkpoint)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
-        for _ in range(epochs):
-            scheduler.step()
+    """The optimizer over model's parameters (the wrapped model's are the same tensors) and
+    its schedule, to be stepped after every optimizer step. steps_per_epoch converts the
+    schedule's epochs to steps; 1 (the default) serves a trainer that steps it once per epoch,
+    with the LR then changing at epoch boundaries only."""
+    groups = param_groups(model, config.weight_decay, config.norm_weight_decay)
+    lr = base_lr(config)
+    if config.opt == "adamw":
+        optimizer = optim.AdamW(groups, lr=lr, weight_decay=config.weight_decay)
+    else:
+        optimizer = optim.SGD(
+            groups,
+            lr,
+            momentum=config.momentum,
+            weight_decay=config.weight_decay,
+            nesterov=config.opt == "sgd-nesterov",
+        )
+    return optimizer, build_scheduler(optimizer, config, steps_per_epoch)

@@ -1,0 +1,206 @@
+"""One precedence chain: defaults < checkpoint config < --config FILE < flags; config files,
+recipes, and config.json fed back."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from ddptrain.cli import parse
+from ddptrain.config import Config
+from ddptrain.config_layers import merge, read, recipes, resumed
+from ddptrain.errors import UserError
+from ddptrain.model.precision import resolve_precision
+
+
+def write(tmp_path, text, name="run.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_argparse_leaves_out_what_was_not_given():
+    _, c = parse(["train"])
+    assert c == Config() and c.given == frozenset()
+    _, c = parse(["train", "/d", "--lr", "0.1", "-b", "256"])  # defaults, given explicitly
+    assert c.given == {"data", "lr", "batch_size"}
+
+
+def test_each_layer_wins_over_the_one_below(tmp_path):
+    file = write(tmp_path, 'epochs = 5\nlr = 0.3\nauto-augment = "ta_wide"\n')
+    _, c = parse(["train", "--config", file, "--lr", "0.2"])
+    assert (c.epochs, c.lr, c.auto_augment, c.batch_size) == (5, 0.2, "ta_wide", 256)
+    saved = {**Config(epochs=9, lr=0.7, momentum=0.5, amp="bf16").to_dict(), "batch_size": 64}
+    r = resumed(c, saved)
+    # flags and the file beat the checkpoint; the checkpoint beats the defaults
+    assert (r.epochs, r.lr, r.auto_augment) == (5, 0.2, "ta_wide")
+    assert (r.momentum, r.amp, r.batch_size) == (0.5, "bf16", 64)
+    assert r.given == c.given
+
+
+def test_an_explicit_default_beats_the_checkpoint():
+    _, c = parse(["train", "--amp", "none", "--channels-last"])
+    r = resumed(c, Config(amp="bf16", channels_last=False, compile=True).to_dict())
+    assert (r.amp, r.channels_last, r.compile) == ("none", True, True)
+    _, c = parse(["train"])
+    assert resumed(c, None) is c
+
+
+def test_a_checkpoint_never_says_where_or_how_to_run():
+    saved = Config(
+        resume="auto",
+        out_dir="/elsewhere",
+        workers=16,
+        world_size=8,
+        rank=3,
+        multiprocessing_distributed=True,
+        device="cuda",
+        epochs=12,
+    ).to_dict()
+    r = resumed(Config(given=frozenset()), {**saved, "a_key_from_another_version": 1})
+    assert r.epochs == 12
+    assert (r.resume, r.out_dir, r.workers, r.world_size, r.rank) == (None, ".", 4, -1, -1)
+    assert (r.multiprocessing_distributed, r.device) == (False, "auto")
+
+
+def test_lr_and_lr_base_are_one_setting(tmp_path):
+    with pytest.raises(UserError, match="--lr and --lr-base"):
+        parse(["train", "--lr", "0.1", "--lr-base", "0.1"])
+    file = write(tmp_path, "lr = 0.5\n")
+    _, c = parse(["train", "--config", file, "--lr-base", "0.2"])
+    assert c.lr_base == 0.2 and c.lr == Config().lr
+    file = write(tmp_path, "lr-base = 0.2\n")
+    _, c = parse(["train", "--config", file, "--lr", "0.05"])
+    assert c.lr == 0.05 and c.lr_base is None
+    # a checkpoint that scaled its LR keeps doing so, unless --lr is given
+    saved = Config(lr_base=0.4, batch_size=512).to_dict()
+    assert resumed(parse(["train"])[1], saved).lr_base == 0.4
+    r = resumed(parse(["train", "--lr", "0.01"])[1], saved)
+    assert (r.lr, r.lr_base) == (0.01, None)
+    both = write(tmp_path, "lr = 0.1\nlr-base = 0.1\n")
+    with pytest.raises(UserError, match=f"--config {both}: --lr and --lr-base"):
+        parse(["train", "--config", both])
+
+
+def test_keys_are_long_flag_names_with_dashes_or_underscores(tmp_path):
+    file = write(
+        tmp_path,
+        "learning-rate = 0.3\nwd = 0.01\nbatch_size = 64\nlr-milestones = [3, 6]\n"
+        'crop-scale = [0.25, 1]\nlr_scheduler = "multistep"\nmodel-ema = true\n',
+    )
+    assert read(file) == {
+        "lr": 0.3,
+        "weight_decay": 0.01,
+        "batch_size": 64,
+        "lr_milestones": (3, 6),
+        "crop_scale": (0.25, 1.0),
+        "lr_scheduler": "multistep",
+        "model_ema": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("learning_rat = 0.1\n", "unknown key 'learning_rat'"),
+        ("[optim]\nlr = 0.1\n", "unknown key 'optim'"),
+        ('lr = "fast"\n', "lr must be a number, got 'fast'"),
+        ("epochs = 1.5\n", "epochs must be an integer, got 1.5"),
+        ("model-ema = 1\n", "model-ema must be true or false, got 1"),
+        ("crop-scale = [0.5]\n", "crop-scale must be a list of 2 values"),
+        ('lr-milestones = [1, "x"]\n', "lr-milestones must be a list of one or more values"),
+        ("lr = 0.1\nlearning-rate = 0.2\n", "'learning-rate' sets --lr a second time"),
+        ("lr = \n", "not valid TOML"),
+    ],
+)
+def test_mistakes_in_a_file_name_the_key_and_the_file(tmp_path, text, message):
+    file = write(tmp_path, text)
+    with pytest.raises(UserError, match=message) as caught:
+        parse(["train", "--config", file])
+    assert str(caught.value).startswith(f"--config {file}: ")
+
+
+def test_values_a_file_gives_are_checked_like_flags(tmp_path):
+    with pytest.raises(UserError, match="--hflip"):
+        parse(["train", "--config", write(tmp_path, "hflip = 2.0\n")])
+    with pytest.raises(UserError, match="--opt must be one of"):
+        parse(["train", "--config", write(tmp_path, 'opt = "lamb"\n')])
+
+
+def test_missing_file_and_unknown_recipe(tmp_path):
+    with pytest.raises(UserError, match="nope.toml: cannot read it"):
+        parse(["train", "--config", str(tmp_path / "nope.toml")])
+    with pytest.raises(UserError, match="no such recipe; shipped: classic, "):
+        parse(["train", "--config", "recipe:fancy"])
+
+
+def test_config_json_feeds_back_without_resolved_or_invocation_settings(tmp_path):
+    record = Config(
+        data="/data", epochs=3, lr_base=0.2, hflip=0.0, crop_scale=(0.3, 1.0), out_dir="runs/a"
+    )
+    saved = {**record.to_dict(), "resolved": {"world_size": 2, "per_rank_batch": 128}}
+    file = write(tmp_path, json.dumps(saved), "config.json")
+    _, c = parse(["train", "--config", file, "--out-dir", "runs/b"])
+    assert (c.data, c.epochs, c.lr_base, c.hflip, c.crop_scale) == ("/data", 3, 0.2, 0.0, (0.3, 1))
+    assert c.out_dir == "runs/b"
+    assert c.to_dict() == {**record.to_dict(), "out_dir": "runs/b"}
+    with pytest.raises(UserError, match="unknown key 'surprise'"):
+        read(write(tmp_path, json.dumps({**saved, "surprise": 1}), "config.json"))
+
+
+def test_shipped_recipes_parse_and_classic_is_the_defaults():
+    assert recipes() == ["classic", "resnet50-torchvision", "small-images"]
+    _, classic = parse(["train", "/data", "--config", "recipe:classic"])
+    assert classic == Config(data="/data")
+    _, r50 = parse(["train", "/data", "--config", "recipe:resnet50-torchvision"])
+    assert (r50.arch, r50.batch_size, r50.lr, r50.epochs, r50.image_size) == (
+        "resnet50",
+        1024,
+        0.5,
+        600,
+        176,
+    )
+    assert (r50.val_resize, r50.val_crop, r50.model_ema, r50.lr_scheduler) == (
+        232,
+        224,
+        True,
+        "cosine",
+    )
+    _, small = parse(["train", "--config", "recipe:small-images", "--epochs", "10"])
+    assert small.hflip == 0.0 and small.lr_base is not None and small.model_ema
+
+
+def test_eval_shares_the_flags_and_the_files(tmp_path):
+    file = write(tmp_path, "image-size = 64\n")
+    _, c = parse(["eval", "/d", "--resume", "ckpt.pt", "--config", file, "--val-crop", "60"])
+    assert c.evaluate and (c.image_size, c.val_crop) == (64, 60)
+
+
+def test_merge_is_usable_without_the_cli():
+    c = merge({"lr": 0.2}, file={"epochs": 3}, saved={"epochs": 7, "momentum": 0.1})
+    assert (c.lr, c.epochs, c.momentum) == (0.2, 3, 0.1)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--amp", "none"], ["--no-channels-last"], ["--compile", "--amp", "bf16"]],
+)
+@pytest.mark.parametrize(
+    "saved",
+    [
+        None,
+        {"amp": "bf16", "channels_last": False, "compile": True},
+        {"amp": "none", "channels_last": True, "compile": False},
+    ],
+)
+def test_the_checkpoint_layer_replaces_resolve_precisions_own_fallback(flags, saved):
+    """resolve_precision(config, saved) looks up the checkpoint itself; after `resumed` the
+    config already holds the checkpoint's settings, and resolve_precision(config, None) agrees."""
+    convnet = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
+    cpu = torch.device("cpu")
+    _, config = parse(["train", *flags])
+    saved_config = None if saved is None else {**Config().to_dict(), **saved}
+    today = resolve_precision(config, saved_config, convnet, cpu).settings()
+    merged = resolve_precision(resumed(config, saved_config), None, convnet, cpu).settings()
+    assert merged == today

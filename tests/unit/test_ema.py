@@ -1,0 +1,115 @@
+"""The EMA of weights and buffers: its update rule, its schedule of updates, and a checkpoint
+round trip that continues bitwise."""
+
+import io
+
+import torch
+from torch import nn
+
+from ddptrain.config import Config
+from ddptrain.train.ema import ModelEma, build_ema
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 2))
+
+
+def train_step(model, seed):
+    """Moves every parameter and the BatchNorm statistics, as a training step would."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g))
+    model.train()
+    model(torch.randn(4, 3, 6, 6, generator=g))
+
+
+def float_state(model):
+    return {k: v.clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+
+def test_update_is_decay_times_average_plus_the_rest_times_the_weights():
+    model = net()
+    ema = ModelEma(model, decay=0.9)
+    train_step(model, 1)
+    ema.update(model, step=1)  # the first update copies
+    expected = float_state(model)
+    assert all(torch.equal(v, float_state(ema.module)[k]) for k, v in expected.items())
+    for step in range(2, 5):
+        train_step(model, step)
+        ema.update(model, step)
+        current = float_state(model)
+        expected = {k: 0.9 * v + 0.1 * current[k] for k, v in expected.items()}
+        averaged = float_state(ema.module)
+        for k, v in expected.items():  # weights and BatchNorm running statistics
+            assert torch.allclose(averaged[k], v, rtol=1e-6, atol=1e-7), k
+    assert ema.state_dict()["updates"] == 4
+
+
+def test_every_k_steps_with_decay_to_the_k():
+    model = net()
+    ema = ModelEma(model, decay=0.9, every=3)
+    reference = ModelEma(net(), decay=0.9**3)
+    for step in range(1, 10):
+        train_step(model, step)
+        ema.update(model, step)
+        if step % 3 == 0:
+            reference.update(model, step // 3)
+    assert ema.state_dict()["updates"] == 3
+    for k, v in float_state(reference.module).items():
+        assert torch.equal(float_state(ema.module)[k], v)
+
+
+def test_during_warmup_the_average_is_the_current_model():
+    model = net()
+    ema = ModelEma(model, decay=0.99, warmup_steps=3)
+    for step in range(1, 5):
+        train_step(model, step)
+        ema.update(model, step)
+        same = all(
+            torch.equal(v, float_state(ema.module)[k]) for k, v in float_state(model).items()
+        )
+        assert same == (step <= 3)
+
+
+def saved(ema) -> dict:
+    buffer = io.BytesIO()
+    torch.save(ema.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_checkpoint_round_trip_continues_bitwise():
+    config = Config(model_ema=True, model_ema_decay=0.95, model_ema_steps=2)
+    model = net()
+    uninterrupted = build_ema(model, config, steps_per_epoch=10)
+    for step in range(1, 8):
+        train_step(model, step)
+        uninterrupted.update(model, step)
+        if step == 5:
+            state = saved(uninterrupted)
+            weights = {k: v.clone() for k, v in model.state_dict().items()}
+    resumed_model = net(seed=1)
+    resumed_model.load_state_dict(weights)
+    resumed = build_ema(net(seed=2), config, steps_per_epoch=10)
+    resumed.load_state_dict(state)
+    for step in range(6, 8):
+        train_step(resumed_model, step)
+        resumed.update(resumed_model, step)
+    for k, v in uninterrupted.module.state_dict().items():
+        assert torch.equal(resumed.module.state_dict()[k], v), k
+    assert resumed.state_dict()["updates"] == uninterrupted.state_dict()["updates"] == 3
+
+
+def test_its_state_is_a_plain_model_state_dict():
+    ema = ModelEma(net(), decay=0.9)
+    state = saved(ema)
+    assert set(state["model"]) == set(net().state_dict())  # no "module." prefix
+    net(seed=3).load_state_dict(state["model"], strict=True)
+
+
+def test_off_by_default():
+    assert build_ema(net(), Config(), steps_per_epoch=5) is None
+    ema = build_ema(net(), Config(model_ema=True, lr_warmup_epochs=1.5), steps_per_epoch=4)
+    assert (ema.every, ema.warmup_steps) == (32, 6)

@@ -1,0 +1,57 @@
+"""`ddptrain train --help` against a golden copy, and each flag's help from its Config field.
+
+After changing a flag on purpose, regenerate the golden copy (with Python 3.11: argparse's
+layout changes between Python versions) and review the diff:
+
+    COLUMNS=100 python -m ddptrain train --help > tests/unit/golden/train_help.txt
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddptrain.cli import build_parser, parse
+from ddptrain.config import settings
+
+GOLDEN = Path(__file__).parent / "golden" / "train_help.txt"
+GOLDEN_PYTHON = (3, 11)
+
+
+def help_text(command: str, capsys, monkeypatch) -> str:
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as done:
+        parse([command, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.skipif(
+    sys.version_info[:2] != GOLDEN_PYTHON, reason="the golden copy is argparse's 3.11 layout"
+)
+def test_train_help_matches_the_golden_copy(capsys, monkeypatch):
+    assert help_text("train", capsys, monkeypatch) == GOLDEN.read_text()
+
+
+def test_eval_has_the_same_flags(capsys, monkeypatch):
+    def flags(text: str) -> str:  # the usage lines are indented by the command's length
+        return text[text.index("positional arguments:") :]
+
+    train = help_text("train", capsys, monkeypatch)
+    assert flags(help_text("eval", capsys, monkeypatch)) == flags(train)
+
+
+def test_every_flag_is_documented_by_its_config_field():
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    actions = {a.dest: a for a in train._actions}
+    for f in settings():
+        action = actions[f.name]
+        if f.metadata["help"] is None:
+            assert f.name == "local_rank"
+            continue
+        assert action.help.startswith(f.metadata["help"]), f.name
+        if f.name == "data":  # the positional DATA
+            assert not action.option_strings
+            continue
+        names = f.metadata["names"] or ("--" + f.name.replace("_", "-"),)
+        assert set(names) <= set(action.option_strings), f.name
