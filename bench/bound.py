@@ -19,6 +19,7 @@ from ddptrain.data.loaders import Data, build_data
 from ddptrain.dist.env import init_distributed
 from ddptrain.model.build import build_model
 from ddptrain.model.precision import resolve_precision
+from ddptrain.report.reporter import Reporter
 from ddptrain.state.checkpointer import TrainState
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.preempt import StopRequests
@@ -79,7 +80,18 @@ def main() -> None:
     model = precision.place(model, env.device)
     optimizer, scheduler = build_optimizer(model, config)
     feed = Data(batches, Preloaded([steps] * args.epochs), [], 0, loaders.class_to_idx)
-    parts = (config, env, feed, model, optimizer, scheduler, None, 0, precision, None)
+    parts = (
+        config,
+        env,
+        feed,
+        model,
+        optimizer,
+        scheduler,
+        Reporter(env, None, "none"),
+        0,
+        precision,
+        None,
+    )
     rates = train_epochs(parts, args.epochs)
     print(json.dumps({"samples_per_sec": rates, "threads": torch.get_num_threads()}))
 

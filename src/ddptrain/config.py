@@ -59,6 +59,8 @@ SECTIONS = {
     "label_smoothing": "loss",
     "opt": "optimizer and learning-rate schedule",
     "model_ema": "exponential moving average of the weights",
+    "accum_steps": "the step",
+    "progress": "what a run shows and records",
 }
 
 
@@ -238,6 +240,26 @@ class Config:
         32, "update the EMA every N optimizer steps (decay^N each time)", metavar="N"
     )
 
+    accum_steps: int = _flag(
+        1,
+        "micro-batches per optimizer step: each rank's share of -b is split into this many, "
+        "with the gradient all-reduced once, after the last",
+        metavar="K",
+    )
+    clip_grad_norm: float | None = _flag(
+        None, "clip the gradients' total norm (over all ranks) to this", metavar="NORM"
+    )
+
+    progress: str = _flag(
+        "auto",
+        "rank 0's view of training: a bar on a terminal, plain lines elsewhere (auto), or none",
+        choices=("auto", "bar", "lines", "none"),
+        invocation=True,
+    )
+    tensorboard: bool = _flag(
+        False, "also write TensorBoard event files to OUT_DIR/tensorboard", invocation=True
+    )
+
     # Not a setting: the fields a config file or a flag gave, which a checkpoint's settings
     # must not replace on resume (config_layers.resumed).
     given: frozenset = field(default=frozenset(), compare=False, repr=False)
@@ -302,6 +324,10 @@ class Config:
         if self.strategy != "fsdp" and (self.fsdp_offload or not self.reshard_after_forward):
             flag = "--fsdp-offload" if self.fsdp_offload else "--no-reshard-after-forward"
             raise UserError(f"{flag} goes with --strategy fsdp")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise UserError(f"--clip-grad-norm must be positive, got {self.clip_grad_norm}")
+        if self.strategy == "fsdp" and self.model_ema:
+            raise UserError("--model-ema is not supported with --strategy fsdp yet")
         if self.strategy == "fsdp" and self.compile:
             raise UserError("--compile is not supported with --strategy fsdp; drop one of them")
         if self.evaluate and not (self.resume or self.pretrained):
@@ -343,6 +369,7 @@ class Config:
             "--lr-base": 1 if self.lr_base is None else self.lr_base,
             "--lr-base-batch": self.lr_base_batch,
             "--model-ema-steps": self.model_ema_steps,
+            "--accum-steps": self.accum_steps,
         }
         for flag, value in positive.items():
             if value <= 0:
@@ -371,6 +398,12 @@ class Config:
             raise UserError(
                 f"--batch-size {self.batch_size} is the global batch and must divide evenly over "
                 f"{world_size} ranks; use a multiple of {world_size}"
+            )
+        per_rank = self.batch_size // world_size
+        if per_rank % self.accum_steps:
+            raise UserError(
+                f"--accum-steps {self.accum_steps} must divide each rank's share of -b "
+                f"{self.batch_size} ({per_rank} on {world_size} rank(s))"
             )
 
     def to_dict(self) -> dict:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ddptrain.config import Config
+from ddptrain.config_layers import resumed
 from ddptrain.data.loaders import Data, build_data
 from ddptrain.data.synth import ensure_builtin
 from ddptrain.dist.collectives import agree, check_same, from_rank0
@@ -26,7 +27,8 @@ from ddptrain.errors import UserError
 from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.parallelize import is_sharded, unwrap, wrap
 from ddptrain.model.precision import DTYPES, resolve_precision
-from ddptrain.report.metrics import MetricsLog
+from ddptrain.report.records import require_tensorboard
+from ddptrain.report.reporter import Reporter
 from ddptrain.state.checkpointer import (
     Checkpointer,
     TrainState,
@@ -36,8 +38,11 @@ from ddptrain.state.checkpointer import (
 )
 from ddptrain.state.files import LATEST, load, numbered, remove_stale_temp_files, resolve
 from ddptrain.train import trainer
-from ddptrain.train.optim import build_optimizer, fast_forward
+from ddptrain.train.ema import build_ema
+from ddptrain.train.loss import build_criterion
+from ddptrain.train.optim import build_optimizer
 from ddptrain.train.preempt import StopRequests
+from ddptrain.train.schedule import fast_forward
 
 
 def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
@@ -57,7 +62,7 @@ def _train(config: Config, env: DistEnv) -> TrainState:
     if config.seed is not None:
         _seed_everything(config.seed, env)
 
-    loaders, model, precision, saved, seed = agree(
+    config, loaders, model, precision, saved, seed, reporter = agree(
         env, lambda: _prepare(config, env, out_dir, seed, resume)
     )
     train_samples = loaders.train_sampler.num_samples if loaders.train_sampler else 0
@@ -74,7 +79,10 @@ def _train(config: Config, env: DistEnv) -> TrainState:
     )
 
     if config.pretrained and saved is None:
-        load_pretrained(model, config.arch, env, source=config.pretrained)
+        fresh = load_pretrained(model, config.arch, env, source=config.pretrained)
+        if fresh:
+            reporter.info(f"pretrained {config.arch}: new weights for {', '.join(fresh)}")
+    parameters = sum(p.numel() for p in model.parameters())
     model = wrap(
         precision.place(model, env.device),
         env,
@@ -85,23 +93,20 @@ def _train(config: Config, env: DistEnv) -> TrainState:
         offload=config.fsdp_offload,
         reshard_after_forward=config.reshard_after_forward,
     )
-    optimizer, scheduler = build_optimizer(model, config)
-    meta, record = _records(config, env, loaders, precision, seed)
-    checkpointer = Checkpointer(
-        env,
-        out_dir,
-        unwrap(model),
-        training_parts(
-            unwrap(model), optimizer, scheduler, env, precision.scaler, sharded=is_sharded(model)
-        ),
-        meta,
-        record,
-        config.keep_last,
+    steps_per_epoch = loaders.train_sampler.steps if loaders.train_sampler else 1
+    optimizer, scheduler = build_optimizer(model, config, steps_per_epoch)
+    ema = build_ema(unwrap(model), config, steps_per_epoch)
+    summary = _summary(config, env, loaders, precision, parameters, steps_per_epoch, resume)
+    meta, record = _records(config, env, loaders, precision, seed, summary)
+    parts = training_parts(
+        unwrap(model), optimizer, scheduler, env, precision.scaler, sharded=is_sharded(model)
     )
-    state = _restore(checkpointer, saved, resume, scheduler, config, env)
+    if ema is not None:
+        parts["model_ema"] = ema
+    checkpointer = Checkpointer(env, out_dir, unwrap(model), parts, meta, record, config.keep_last)
+    state = _restore(checkpointer, saved, scheduler, config, steps_per_epoch)
     if precision.compile:
         model = torch.compile(model)
-    log = MetricsLog(out_dir, enabled=env.is_main)
     with StopRequests(env) as stop:
         run = trainer.Run(
             config=config,
@@ -110,46 +115,72 @@ def _train(config: Config, env: DistEnv) -> TrainState:
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
-            log=log,
+            reporter=reporter,
             seed=seed,
             precision=precision,
             checkpointer=None if config.evaluate else checkpointer,
             stop=stop,
+            criterion=build_criterion(config, loaders.num_classes),
+            ema=ema,
         )
-        if config.evaluate:
-            return _evaluate_only(run, state)
-        if env.is_main:
-            print(
-                f"training {config.arch} on {loaders.num_classes} classes, {env.world_size} "
-                f"rank(s) on {env.device.type}, {_strategy(config, env)}, global batch "
-                f"{config.batch_size}, epochs {state.epoch}->{config.epochs}",
-                flush=True,
-            )
-        return trainer.fit(run, state)
+        try:
+            if config.evaluate:
+                return _evaluate_only(run, state)
+            reporter.start(summary)
+            return trainer.fit(run, state)
+        finally:
+            reporter.close()
 
 
-def _strategy(config: Config, env: DistEnv) -> str:
-    if not env.distributed:
-        return "one process (nothing to shard or replicate)"
-    return config.strategy
+def _summary(config, env, loaders, precision, parameters, steps_per_epoch, resume) -> dict:
+    """The start-up block rank 0 shows, also kept in config.json."""
+    import torchvision
+
+    from ddptrain import __version__
+
+    nodes = env.world_size // env.local_world_size
+    strategy = config.strategy if env.distributed else "one process (nothing to shard)"
+    train = loaders.train_sampler.num_samples if loaders.train_sampler else 0
+    return {
+        "ddptrain": f"{__version__}, torch {torch.__version__}, torchvision "
+        f"{torchvision.__version__}",
+        "device": f"{env.device.type}, backend {_backend_name(env)}",
+        "world": f"{env.world_size} rank(s) = {nodes} node(s) x {env.local_world_size}",
+        "batch": f"{config.batch_size} global, {config.batch_size // env.world_size} per rank"
+        + (f" in {config.accum_steps} micro-batches" if config.accum_steps > 1 else ""),
+        "steps/epoch": steps_per_epoch,
+        "model": f"{config.arch}, {parameters / 1e6:.2f} M parameters",
+        "precision": f"amp {precision.amp}, channels_last {precision.channels_last}, "
+        f"compile {precision.compile}",
+        "strategy": strategy,
+        "data": f"{loaders.num_classes} classes, {train} train / {loaders.num_val} val images",
+        "out dir": str(config.out_dir),
+        "start": f"resumed from {resume}" if resume else f"fresh, epoch {config.start_epoch}",
+    }
 
 
-def _restore(checkpointer, saved, resume, scheduler, config: Config, env: DistEnv) -> TrainState:
+def _backend_name(env: DistEnv) -> str:
+    import torch.distributed as dist
+
+    return dist.get_backend() if env.distributed else "none (one process)"
+
+
+def _restore(checkpointer, saved, scheduler, config: Config, steps_per_epoch: int) -> TrainState:
     """The checkpoint's state in every part, or a fresh state. A collective."""
     if saved is None:
-        fast_forward(scheduler, config.start_epoch)
+        fast_forward(scheduler, config.start_epoch * steps_per_epoch)
         return TrainState(epoch=config.start_epoch)
-    state = checkpointer.restore(saved)
-    if env.is_main:
-        print(
-            f"resumed from {resume} (epoch {state.epoch}, step {state.epoch_step} of the "
-            f"next, best acc1 {state.best_acc1:.2f})",
-            flush=True,
-        )
+    # Checkpoints of format 1 stepped their schedule per epoch: replay the per-step one instead.
+    per_epoch_schedule = int(saved.get("format_version", 1)) < 2
+    state = checkpointer.restore(saved, skip={"scheduler"} if per_epoch_schedule else set())
+    if per_epoch_schedule:
+        for group in scheduler.optimizer.param_groups:  # from the start, not the restored LR
+            group["lr"] = group["initial_lr"]
+        fast_forward(scheduler, state.global_step)
     return state
 
 
-def _records(config: Config, env: DistEnv, loaders: Data, precision, seed: int):
+def _records(config: Config, env: DistEnv, loaders: Data, precision, seed: int, summary: dict):
     """What every checkpoint carries besides state, and what config.json holds."""
     # The resolved precision, so a resumed run keeps it unless flags say otherwise.
     settings = {**config.to_dict(), **precision.settings()}
@@ -165,6 +196,7 @@ def _records(config: Config, env: DistEnv, loaders: Data, precision, seed: int):
         "per_rank_batch": config.batch_size // env.world_size,
         "device": str(env.device),
         "data_seed": seed,
+        "summary": summary,
     }
     return meta, {**settings, "resolved": runtime}
 
@@ -192,22 +224,32 @@ def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Pat
     if saved is not None:
         seed = int(saved.get("data_seed", seed))
         _check_position(saved, config)
+        # The checkpoint's settings under what the flags and --config gave.
+        config = resumed(config, saved.get("config"))
+        config.check_batch_divides(env.world_size)
+    if config.tensorboard:
+        require_tensorboard()  # on every rank, so that every rank stops when it is missing
     loaders = build_data(config, env, _data_root(config, env), seed)
-    saved_config = None if saved is None else saved.get("config")
     model = build_model(config.arch, loaders.num_classes, config.image_size, config.pretrained)
     if saved is not None:
         check_compatible(saved, resume, config.arch, loaders.class_to_idx)
         check_fits(saved, resume, model)
-    precision = resolve_precision(config, saved_config, model, env.device)
+    precision = resolve_precision(config, None, model, env.device)
+    done = TrainState.from_checkpoint(saved or {"epoch": config.start_epoch})
+    reporter = Reporter(env, out_dir, config.progress, config.tensorboard, done.global_step)
     if saved is None:
         if config.evaluate and not config.pretrained:
             raise UserError(f"--evaluate: no checkpoint to evaluate in {out_dir}")
-        if config.resume == "auto" and env.is_main:
-            print(f"--resume auto: no checkpoint in {out_dir}, starting fresh", flush=True)
-    if env.is_main and not config.evaluate:
-        done = TrainState.from_checkpoint(saved or {"epoch": config.start_epoch}).epoch
-        MetricsLog(out_dir, enabled=True).keep_until(done)
-    return loaders, model, precision, saved, seed
+        if config.resume == "auto":
+            reporter.info(f"--resume auto: no checkpoint in {out_dir}, starting fresh")
+    else:
+        reporter.info(
+            f"resumed from {resume} (epoch {done.epoch}, step {done.epoch_step} of the "
+            f"next, best acc1 {done.best_acc1:.2f})"
+        )
+    if not config.evaluate:
+        reporter.keep_until(done.epoch)
+    return config, loaders, model, precision, saved, seed, reporter
 
 
 def _load(path: Path) -> dict:
@@ -270,11 +312,9 @@ def _data_root(config: Config, env: DistEnv) -> Path | None:
 
 def _evaluate_only(run: trainer.Run, state: TrainState) -> TrainState:
     val = trainer.evaluate(run.model, run.data.val_loader, run.env, run.precision)
-    run.log.write({"split": "val", "epoch": state.epoch, **val})
-    if run.env.is_main:
-        print(
-            f"val: loss {val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} "
-            f"({val['samples']} images)",
-            flush=True,
-        )
+    run.reporter.record({"split": "val", "epoch": state.epoch, **val})
+    run.reporter.info(
+        f"val: loss {val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} "
+        f"({val['samples']} images)"
+    )
     return state

@@ -12,7 +12,7 @@ from ddptrain.config import Config
 from ddptrain.data.loaders import build_data
 from ddptrain.model.parallelize import unwrap, wrap
 from ddptrain.model.precision import Precision
-from ddptrain.report.metrics import MetricsLog
+from ddptrain.report.reporter import Reporter
 from ddptrain.state.checkpointer import Checkpointer, TrainState, training_parts
 from ddptrain.state.files import load
 from ddptrain.train import trainer
@@ -38,7 +38,7 @@ def fit(env, root, out_dir, resume=None):
     with StopRequests(env) as stop:
         run = trainer.Run(
             config, env, loaders, model, optimizer, scheduler,
-            MetricsLog(out_dir, env.is_main), 11, Precision(), checkpointer, stop,
+            Reporter(env, out_dir, "lines"), 11, Precision(), checkpointer, stop,
         )  # fmt: skip
         trainer.fit(run, state)
     return flat_params(model)

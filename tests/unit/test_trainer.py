@@ -10,6 +10,7 @@ from ddptrain.config import Config
 from ddptrain.data.loaders import Data
 from ddptrain.dist.env import DistEnv
 from ddptrain.model.precision import Precision
+from ddptrain.report.reporter import Reporter
 from ddptrain.state.checkpointer import TrainState
 from ddptrain.train.preempt import StopRequests
 from ddptrain.train.trainer import Run, train_epoch
@@ -105,7 +106,10 @@ def test_no_host_sync_outside_print_steps(monkeypatch, capsys, precision):
     config = Config(print_freq=STEPS + 1, epochs=1)  # only the last step prints
     data = Data(loader, Epochs(), val_loader=[], num_val=0, class_to_idx={})
     with StopRequests(ONE) as stop:
-        run = Run(config, ONE, data, model, optimizer, scheduler, None, 0, precision, None, stop)
+        reporter = Reporter(ONE, None, progress="lines")
+        run = Run(
+            config, ONE, data, model, optimizer, scheduler, reporter, 0, precision, None, stop
+        )
         result = train_epoch(run, 0, TrainState())
 
     per_step = [b - a for a, b in zip(loader.marks, loader.marks[1:], strict=False)]

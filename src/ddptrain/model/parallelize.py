@@ -5,6 +5,7 @@ all-reduces gradients; fsdp (FSDP2) shards all three and gathers each block just
 model/fsdp.py). One rank runs the plain model under either: there is nothing to shard.
 """
 
+import contextlib
 import warnings
 
 import torch
@@ -52,6 +53,23 @@ def wrap(
         )
         return nn.DataParallel(model)
     return model
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module):
+    """Backward without reducing gradients over the ranks: for all but the last micro-batch of
+    an accumulated step, whose backward then reduces the sum once."""
+    if isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -52,6 +52,11 @@ class Precision:
         """fp16: the loss scaled up, so that small gradients do not underflow."""
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """fp16: the gradients at their true size (before clipping them)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """fp16: the gradients unscaled first; a step with inf/nan gradients is skipped and the
         scale lowered."""

@@ -80,6 +80,12 @@ class MetricsLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def step(self, values: dict, global_step: int) -> None:
+        """Print steps are not recorded here (TensorBoard has them)."""
+
+    def close(self) -> None:
+        """Every record is appended as it comes."""
+
     def keep_until(self, epoch: int) -> None:
         """Drops the records of epochs after `epoch`: those of a run that died after logging
         them but before the checkpoint it resumes from, which would otherwise appear twice."""

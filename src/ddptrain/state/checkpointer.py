@@ -34,7 +34,8 @@ from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.state import files
 
-FORMAT_VERSION = 1
+# 2: the schedule steps per optimizer step (1: per epoch).
+FORMAT_VERSION = 2
 # Full tensors, on the CPU, on rank 0 only (the other ranks get empty dicts).
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -46,6 +47,7 @@ class TrainState:
     epoch: int = 0  # epochs completed
     global_step: int = 0
     best_acc1: float = 0.0
+    best_model: str = "model"  # which of "model" and "model_ema" model_best.pt was saved for
     epoch_step: int = 0  # steps done in the epoch after `epoch`
     train_sums: torch.Tensor | None = None  # that epoch's running train sums, all ranks
 
@@ -54,6 +56,7 @@ class TrainState:
             "epoch": self.epoch,
             "global_step": self.global_step,
             "best_acc1": self.best_acc1,
+            "best_model": self.best_model,
             "epoch_step": self.epoch_step,
             "train_sums": self.train_sums,
         }
@@ -64,6 +67,7 @@ class TrainState:
             epoch=int(checkpoint.get("epoch", 0)),
             global_step=int(checkpoint.get("global_step", 0)),
             best_acc1=float(checkpoint.get("best_acc1", 0.0)),
+            best_model=str(checkpoint.get("best_model", "model")),
             epoch_step=int(checkpoint.get("epoch_step", 0)),
             train_sums=checkpoint.get("train_sums"),
         )
@@ -163,11 +167,12 @@ class Checkpointer:
 
         agree(self.env, write, doing="writing a checkpoint")
 
-    def restore(self, checkpoint: dict) -> TrainState:
-        """Loads every part the checkpoint holds (check_fits has passed on every rank first:
-        a mismatch found inside the collective loads would leave the other ranks waiting)."""
+    def restore(self, checkpoint: dict, skip: set[str] = frozenset()) -> TrainState:
+        """Loads every part the checkpoint holds but those in `skip` (check_fits has passed on
+        every rank first: a mismatch found inside the collective loads would leave the other
+        ranks waiting)."""
         for name, part in self.parts.items():
-            if name in checkpoint:
+            if name in checkpoint and name not in skip:
                 part.load_state_dict(checkpoint[name])
         return TrainState.from_checkpoint(checkpoint)
 

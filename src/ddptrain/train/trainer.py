@@ -1,5 +1,6 @@
 """The training loop: the split step, one epoch, exact evaluation, and the epoch loop."""
 
+import contextlib
 import random
 import signal
 import time
@@ -17,10 +18,13 @@ from ddptrain.data.sampler import PADDING
 from ddptrain.dist.collectives import broadcast_buffers
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import Stopped
-from ddptrain.model.parallelize import unwrap
+from ddptrain.model.parallelize import no_gradient_sync, unwrap
 from ddptrain.model.precision import Precision
-from ddptrain.report.metrics import MetricsLog, Sums, summarize
+from ddptrain.report.metrics import Sums, summarize
+from ddptrain.report.reporter import Reporter
 from ddptrain.state.checkpointer import Checkpointer, TrainState
+from ddptrain.train.ema import ModelEma
+from ddptrain.train.loss import Criterion
 from ddptrain.train.preempt import StopRequests
 
 DATA_WAIT_WARNING = 0.2  # share of epoch time spent waiting for the loader
@@ -28,17 +32,29 @@ AUX_WEIGHT = 0.4  # googlenet and inception_v3 auxiliary heads, as torchvision's
 
 
 class Step:
-    """One optimizer step, read as forward / backward / optimizer step: accumulation, clipping and
-    non-finite checks go between these stages without touching the others. Gradients are
-    reduced over the ranks inside backward (DDP's buckets, FSDP's reduce-scatter). No stage
-    synchronises the host with the device."""
+    """One optimizer step, read as forward / backward / clip / optimizer step / schedule, each
+    a stage of its own so that checks slot in between without touching the others.
+
+    With accum_steps K, the batch is split into K micro-batches: forward and backward each, the
+    gradients reduced over the ranks only in the last backward (DDP's buckets, FSDP's
+    reduce-scatter), each loss divided by K so the sum is the full batch's mean. No stage
+    synchronises the host with the device.
+    """
 
     def __init__(
-        self, model: nn.Module, optimizer, precision: Precision | None = None, criterion=None
+        self,
+        model: nn.Module,
+        optimizer,
+        precision: Precision | None = None,
+        criterion=None,
+        scheduler=None,
+        accum_steps: int = 1,
+        clip_grad_norm: float | None = None,
     ):
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.precision = precision or Precision()
         self.criterion = criterion or nn.CrossEntropyLoss()
+        self.accum_steps, self.clip_grad_norm = accum_steps, clip_grad_norm
 
     def forward(self, images: torch.Tensor, target: torch.Tensor):
         """The (device) loss and logits."""
@@ -51,17 +67,43 @@ class Step:
             return self.criterion(output, target), output
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.precision.backward(loss)
+        self.precision.backward(loss / self.accum_steps if self.accum_steps > 1 else loss)
+
+    def clip(self) -> None:
+        """The gradients' total norm over all ranks (equal on every rank: they are reduced)
+        clipped to --clip-grad-norm."""
+        if self.clip_grad_norm is not None:
+            self.precision.unscale(self.optimizer)
+            parameters = [p for p in self.model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(parameters, self.clip_grad_norm, foreach=True)
 
     def optimizer_step(self) -> None:
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)  # frees the gradients until the next backward
 
+    def schedule(self) -> None:
+        """Schedules move per optimizer step (train/schedule.py), so warmup is smooth and a run
+        resumed mid-epoch continues on the same curve."""
+        if self.scheduler is not None:
+            self.scheduler.step()
+
     def __call__(self, images: torch.Tensor, target: torch.Tensor):
-        loss, output = self.forward(images, target)
-        self.backward(loss)
+        """Returns the batch's mean loss (detached when accumulated) and its logits."""
+        losses, outputs = [], []
+        chunks = zip(images.chunk(self.accum_steps), target.chunk(self.accum_steps), strict=True)
+        for i, (micro_images, micro_target) in enumerate(chunks):
+            last = i == self.accum_steps - 1
+            with contextlib.nullcontext() if last else no_gradient_sync(self.model):
+                loss, output = self.forward(micro_images, micro_target)
+                self.backward(loss)
+            losses.append(loss.detach())
+            outputs.append(output)
+        self.clip()
         self.optimizer_step()
-        return loss, output
+        self.schedule()
+        if self.accum_steps == 1:
+            return losses[0], outputs[0]
+        return torch.stack(losses).mean(), torch.cat(outputs)
 
 
 @torch.no_grad()
@@ -100,22 +142,30 @@ class Run:
     data: Data
     model: nn.Module  # wrapped by its strategy
     optimizer: torch.optim.Optimizer  # over the wrapped model's parameters
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    log: MetricsLog
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # stepped per optimizer step
+    reporter: Reporter
     seed: int
     precision: Precision
     checkpointer: Checkpointer | None  # None: nothing is saved (benchmarks, tests)
     stop: StopRequests
+    criterion: Criterion | None = None  # None: plain cross-entropy
+    ema: ModelEma | None = None
 
-
-def _log(env: DistEnv, line: str) -> None:
-    if env.is_main:
-        print(line, flush=True)
+    def step(self) -> Step:
+        return Step(
+            self.model,
+            self.optimizer,
+            self.precision,
+            self.criterion,
+            self.scheduler,
+            self.config.accum_steps,
+            self.config.clip_grad_norm,
+        )
 
 
 def _reseed(seed: int, epoch: int, step: int, rank: int) -> None:
-    """Model-side randomness (dropout, stochastic depth) from seed, epoch, step and rank alone,
-    as augmentation is from each sample's seed: a run resumed at any step draws what an
+    """Model-side randomness (dropout, stochastic depth, mixup) from seed, epoch, step and rank
+    alone, as augmentation is from each sample's seed: a run resumed at any step draws what an
     uninterrupted one would, with no generator state to save."""
     state = np.random.SeedSequence([seed, epoch, step, rank]).generate_state(2, np.uint64)
     torch.manual_seed(int(state[0] >> 1))
@@ -140,9 +190,12 @@ def _backward_fault(model: nn.Module, step: int) -> None:
 
 def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
     """Trains epoch `epoch` from step state.epoch_step; returns its train record. Stops every
-    rank, after a checkpoint, when a stop signal is agreed on."""
-    config, env = run.config, run.env
-    model, step_once = run.model, Step(run.model, run.optimizer, run.precision)
+    rank, after a checkpoint, when a stop signal is agreed on.
+
+    With mixup or cutmix, train accuracy counts a row as right when the model's top class is
+    the mixed target's class of largest weight: the label that covers more of the image."""
+    config, env, reporter = run.config, run.env, run.reporter
+    model, step_once = run.model, run.step()
     model.train()
     sampler = run.data.train_sampler
     first = state.epoch_step
@@ -155,6 +208,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
     start = time.perf_counter()
     waiting = 0.0
     batches = iter(run.data.train_loader)
+    reporter.begin_epoch(epoch, config.epochs, first, steps)
     faults.maybe_stall(env.rank)
     for step in range(first + 1, steps + 1):
         faults.kill_point("between", state.global_step + 1)
@@ -167,27 +221,30 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
         waiting += time.perf_counter() - ready
         images = run.precision.inputs(images, env.device)
         target = target.to(env.device, non_blocking=True)
+        if run.criterion is not None:
+            images, target = run.criterion.prepare(images, target, torch.default_generator)
         _backward_fault(model, state.global_step + 1)
         loss, output = step_once(images, target)
-        sums.add(loss, output, target)
+        sums.add(loss, output, Criterion.hard_target(target))
         state.global_step += 1
         state.epoch_step = step
+        if run.ema is not None:
+            run.ema.update(unwrap(model), state.global_step)
         run.stop.unsaved = True
+        reporter.advance()
         if step % config.print_freq == 0 or step == steps:
             now = time.perf_counter()
             local = sums.summary()  # this rank's running means: a host sync, at print steps only
             rate = local["samples"] * env.world_size / (now - start)
-            _log(
-                env,
-                f"epoch {epoch + 1}/{config.epochs} [{step:>{len(str(steps))}}/{steps}] "
-                f"loss {local['loss']:.4f} acc1 {local['acc1']:6.2f} acc5 {local['acc5']:6.2f} "
-                f"| {rate:7.1f} samples/s | data {100 * waiting / (now - start):4.1f}%",
-            )
+            lr = run.optimizer.param_groups[0]["lr"]
+            values = {**local, "samples_per_sec": rate, "data_wait": waiting / (now - start)}
+            reporter.print_step(step, state.global_step, {**values, "lr": lr})
         every = config.checkpoint_every
         # Not at the epoch's last step: the epoch's end has its own checkpoint, after evaluation.
         if every and state.global_step % every == 0 and step < steps:
             state.train_sums = sums.totals(env) + carried
             save(run, state)
+    reporter.end_epoch()
     elapsed = time.perf_counter() - start
     new = sums.totals(env)
     return {
@@ -210,44 +267,55 @@ def _stop(run: Run, state: TrainState, sums: Sums, carried: torch.Tensor, signum
     )
 
 
+def _validate(run: Run) -> tuple[dict, dict | None]:
+    """The val record of the model and, with --model-ema, of its average. A collective."""
+    val = evaluate(run.model, run.data.val_loader, run.env, run.precision)
+    if run.ema is None:
+        return val, None
+    return val, evaluate(run.ema.module, run.data.val_loader, run.env, run.precision)
+
+
 def fit(run: Run, state: TrainState) -> TrainState:
-    config, env = run.config, run.env
+    config, env, reporter = run.config, run.env, run.reporter
     faults.set_rank(env.rank)
-    out_dir = config.out_dir
     start, val = time.perf_counter(), None
     for epoch in range(state.epoch, config.epochs):
         lr = run.optimizer.param_groups[0]["lr"]
         train = train_epoch(run, epoch, state)
-        run.scheduler.step()
-        val = evaluate(run.model, run.data.val_loader, env, run.precision)
+        val, val_ema = _validate(run)
         state.epoch, state.epoch_step, state.train_sums = epoch + 1, 0, None
-        is_best = val["acc1"] > state.best_acc1
-        state.best_acc1 = max(state.best_acc1, val["acc1"])
-        # Logged before the checkpoint: a run killed in between resumes from the previous
-        # checkpoint, which drops these records (MetricsLog.keep_until) and logs them again.
-        run.log.write({"split": "train", "epoch": state.epoch, "lr": lr, **train})
-        run.log.write({"split": "val", "epoch": state.epoch, **val})
+        # model_best.pt follows the better of the model and its average, and says which.
+        candidates = {"model": val["acc1"], "model_ema": (val_ema or {}).get("acc1", -1.0)}
+        best = max(candidates, key=candidates.get)
+        is_best = candidates[best] > state.best_acc1
+        if is_best:
+            state.best_acc1, state.best_model = candidates[best], best
+        # Recorded before the checkpoint: a run killed in between resumes from the previous
+        # checkpoint, which drops these records (Reporter.keep_until) and records them again.
+        at = {"epoch": state.epoch, "global_step": state.global_step}
+        reporter.record({"split": "train", **at, "lr": lr, **train})
+        reporter.record({"split": "val", **at, **val})
+        if val_ema is not None:
+            reporter.record({"split": "val_ema", **at, **val_ema})
         save(run, state, is_best)
         if train["data_wait"] > DATA_WAIT_WARNING:
-            _log(
-                env,
-                f"warning: {100 * train['data_wait']:.0f}% of the epoch went to waiting for data; "
+            reporter.warn(
+                f"{100 * train['data_wait']:.0f}% of the epoch went to waiting for data; "
                 f"try more loader workers (-j, now {config.workers}), a smaller --image-size, "
-                "or smaller images on faster storage",
+                "or smaller images on faster storage"
             )
-        _log(
-            env,
+        ema_text = "" if val_ema is None else f" | ema acc1 {val_ema['acc1']:.2f}"
+        reporter.info(
             f"epoch {state.epoch}/{config.epochs} done: train loss {train['loss']:.4f} "
             f"acc1 {train['acc1']:.2f} ({train['samples_per_sec']:.1f} samples/s) | val loss "
             f"{val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} "
-            f"({val['samples']} images) | best acc1 {state.best_acc1:.2f}",
+            f"({val['samples']} images){ema_text} | best acc1 {state.best_acc1:.2f}"
         )
     if val is None:
-        _log(env, f"nothing to train: {state.epoch} of {config.epochs} epochs already done")
+        reporter.info(f"nothing to train: {state.epoch} of {config.epochs} epochs already done")
     else:
-        _log(
-            env,
+        reporter.info(
             f"trained in {time.perf_counter() - start:.0f} s: val acc1 {val['acc1']:.2f} "
-            f"(best {state.best_acc1:.2f}); checkpoints in {out_dir}",
+            f"(best {state.best_acc1:.2f}); checkpoints in {config.out_dir}"
         )
     return state

@@ -1,0 +1,114 @@
+"""Rank 0's view of an epoch: a tqdm bar on a terminal, plain lines elsewhere, or nothing.
+
+`--progress auto` picks the bar when stdout is a terminal and the lines when it is not (CI,
+SLURM logs, `| tee`), so logs stay greppable. Both show what the trainer measured at its print
+steps; between them the bar only counts steps, which needs no value from the device.
+"""
+
+import sys
+import time
+
+from tqdm import tqdm
+
+MODES = ("auto", "bar", "lines", "none")
+
+
+def _line(values: dict) -> str:
+    return (
+        f"loss {values['loss']:.4f} acc1 {values['acc1']:6.2f} acc5 {values['acc5']:6.2f} "
+        f"| {values['samples_per_sec']:7.1f} samples/s | data {100 * values['data_wait']:4.1f}%"
+    )
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+
+
+class Lines:
+    """A line per print step: `epoch 2/12 [ 40/78] loss ... | samples/s | data %`."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+        self.epoch = self.epochs = self.steps = 0
+
+    def begin_epoch(self, epoch: int, epochs: int, first_step: int, steps: int) -> None:
+        self.epoch, self.epochs, self.steps = epoch, epochs, steps
+
+    def advance(self) -> None:
+        pass  # nothing to show between print steps
+
+    def show(self, step: int, values: dict) -> None:
+        width = len(str(self.steps))
+        self.write(
+            f"epoch {self.epoch + 1}/{self.epochs} [{step:>{width}}/{self.steps}] {_line(values)}"
+        )
+
+    def end_epoch(self) -> None:
+        pass
+
+    def write(self, line: str) -> None:
+        print(line, file=self.stream, flush=True)
+
+
+class Bar(Lines):
+    """A tqdm bar per epoch: steps, loss, acc1, samples/s and data-wait share as of the last
+    print step, and the time left for the epoch (tqdm's) and for the run (from the steps left
+    in this and the remaining epochs at this epoch's pace)."""
+
+    def __init__(self, stream=None):
+        super().__init__(stream)
+        self.bar: tqdm | None = None
+        self.started = 0.0
+        self.first_step = 0
+
+    def begin_epoch(self, epoch: int, epochs: int, first_step: int, steps: int) -> None:
+        super().begin_epoch(epoch, epochs, first_step, steps)
+        self.first_step, self.started = first_step, time.perf_counter()
+        self.bar = tqdm(
+            total=steps,
+            initial=first_step,
+            desc=f"epoch {epoch + 1}/{epochs}",
+            unit="step",
+            file=self.stream,
+            dynamic_ncols=True,
+            leave=True,
+        )
+
+    def advance(self) -> None:
+        self.bar.update(1)
+
+    def show(self, step: int, values: dict) -> None:
+        done = step - self.first_step
+        pace = (time.perf_counter() - self.started) / max(done, 1)
+        left = (self.steps - step + (self.epochs - self.epoch - 1) * self.steps) * pace
+        self.bar.set_postfix_str(
+            f"loss {values['loss']:.4f} acc1 {values['acc1']:.2f} "
+            f"{values['samples_per_sec']:.1f} samples/s data {100 * values['data_wait']:.0f}% "
+            f"run left {_duration(left)}",
+            refresh=True,
+        )
+
+    def end_epoch(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def write(self, line: str) -> None:
+        if self.bar is None:
+            super().write(line)
+        else:
+            self.bar.write(line, file=self.stream)  # above the bar, which is redrawn below
+
+
+class Silent(Lines):
+    def show(self, step: int, values: dict) -> None:
+        pass
+
+
+def make_progress(mode: str, stream=None):
+    stream = stream or sys.stdout
+    if mode == "auto":
+        mode = "bar" if stream.isatty() else "lines"
+    return {"bar": Bar, "lines": Lines, "none": Silent}[mode](stream)
