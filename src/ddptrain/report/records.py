@@ -127,6 +127,9 @@ class TensorBoardSink:
             self._writer.add_scalar(f"{record['split']}/{key}", value, global_step)
         self._writer.flush()  # an epoch's scalars on disk before the checkpoint that follows
 
+    def keep_until(self, epoch: int) -> None:
+        """Nothing to drop: purge_step (from after_step) hides what came after the resume."""
+
     def step(self, values: dict, global_step: int) -> None:
         if self._writer is None:
             return

@@ -1,0 +1,62 @@
+"""Gradient accumulation and clipping on real gloo ranks: the same step as the full batch on
+one process."""
+
+import pytest
+import torch
+from harness import run_ranks
+from torch import nn
+
+from ddptrain.model.parallelize import unwrap, wrap
+from ddptrain.train.trainer import Step
+
+BATCH = 8  # global
+
+
+def bn_free_model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3)
+    )
+
+
+def batch():
+    generator = torch.Generator().manual_seed(1)
+    images = torch.randn(BATCH, 3, 12, 12, generator=generator)
+    return images, torch.randint(0, 3, (BATCH,), generator=generator)
+
+
+def steps(env, accum_steps, clip=None, count=3):
+    """`count` optimizer steps over this rank's slice of the same global batch."""
+    model = wrap(bn_free_model(), env)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    step = Step(model, optimizer, accum_steps=accum_steps, clip_grad_norm=clip)
+    images, target = batch()
+    per_rank = BATCH // env.world_size
+    mine = slice(env.rank * per_rank, (env.rank + 1) * per_rank)
+    for _ in range(count):
+        step(images[mine], target[mine])
+    return torch.cat([p.detach().flatten() for p in unwrap(model).parameters()])
+
+
+@pytest.fixture(scope="module")
+def full_batch_on_one_process():
+    return run_ranks(steps, 1, 1)[0]
+
+
+@pytest.mark.parametrize("accum_steps", [2, 4])
+def test_accumulated_micro_batches_on_two_ranks_equal_the_full_batch(
+    full_batch_on_one_process, accum_steps
+):
+    first, second = run_ranks(steps, 2, accum_steps)
+    assert torch.equal(first, second)
+    assert not torch.equal(first, torch.cat([p.flatten() for p in bn_free_model().parameters()]))
+    torch.testing.assert_close(first, full_batch_on_one_process, rtol=0, atol=1e-5)
+
+
+def test_clipping_on_two_ranks_equals_one_process():
+    (single,) = run_ranks(steps, 1, 1, 0.05)
+    unclipped = run_ranks(steps, 1, 1)[0]
+    first, second = run_ranks(steps, 2, 2, 0.05)
+    assert not torch.allclose(single, unclipped, atol=1e-4)  # the clip bit
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, single, rtol=0, atol=1e-5)

@@ -1,0 +1,53 @@
+"""The full recipe through the real CLI under torchrun: stopped mid-epoch and resumed, it ends
+bitwise where the uninterrupted run does, its EMA included.
+
+The tiny run of test_kills.py: 24 images, global batch 8, 3 steps an epoch, 2 epochs, a
+checkpoint every 2 steps.
+"""
+
+import json
+
+import pytest
+from cli import assert_same_training, ok, tiny_args, torchrun, training_state
+
+RECIPE = (
+    *("--lr-scheduler", "cosine", "--lr-warmup-epochs", "1", "--lr-min", "0.001"),
+    *("--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--label-smoothing", "0.1"),
+    *("--model-ema", "--model-ema-steps", "1", "--model-ema-decay", "0.9"),
+    *("--accum-steps", "2", "--clip-grad-norm", "5"),
+)
+
+
+def args(data, out):
+    return (
+        *("train", *tiny_args(data, out), "--resume", "auto", *RECIPE),
+        *("--epochs", 2, "--checkpoint-every", 2),
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("recipe")
+    ok(torchrun(2, *args(tiny_data, out)))
+    assert training_state(out)["global_step"] == 6
+    return out
+
+
+def test_the_full_recipe_resumed_mid_epoch_is_bitwise_equal(tiny_data, tmp_path, uninterrupted):
+    out, marker = tmp_path / "run", tmp_path / "killed"
+    kill = {"DDPTRAIN_TEST_KILL": "between:1:5", "DDPTRAIN_TEST_KILL_ONCE": str(marker)}
+    result = ok(torchrun(2, *args(tiny_data, out), env=kill, restarts=2))
+    assert marker.exists(), "the fault never fired"
+    assert f"resumed from {out}/checkpoint-000000004.pt" in result.stdout  # mid-epoch 2
+    assert_same_training(uninterrupted, out)
+    a, b = training_state(uninterrupted), training_state(out)
+    # 6 steps, the EMA restarted at each of the 3 warmup steps: 1 + 3 updates
+    assert a["model_ema"]["updates"] == b["model_ema"]["updates"] == 4
+    for name, tensor in a["model_ema"]["model"].items():
+        assert tensor.equal(b["model_ema"]["model"][name]), name
+    assert ema_records(out) == ema_records(uninterrupted) and len(ema_records(out)) == 2
+
+
+def ema_records(out_dir) -> list[dict]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == "val_ema"]

@@ -1,0 +1,86 @@
+"""What a run shows and records, through the real CLI: a bar on a terminal, lines in a pipe, the
+start-up summary, and summary.csv and TensorBoard continued without duplicates after a restart.
+"""
+
+import csv
+import fcntl
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+
+from cli import DEADLINE, env_with, ok, tiny_args, torchrun
+
+
+def test_a_terminal_gets_a_bar_and_a_pipe_gets_lines(tiny_data, tmp_path):
+    args = ["train", *map(str, tiny_args(tiny_data, tmp_path / "tty")), "--epochs", "2"]
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # rows, cols
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddptrain", *args],
+        stdout=secondary,
+        stderr=subprocess.DEVNULL,
+        env=env_with(),
+    )
+    os.close(secondary)
+    screen = b""
+    while True:
+        try:
+            chunk = os.read(primary, 4096)
+        except OSError:  # the other end closed
+            break
+        if not chunk:
+            break
+        screen += chunk
+    assert proc.wait(timeout=DEADLINE) == 0
+    text = screen.decode(errors="replace")
+    assert "epoch 1/2: 100%" in text and "step" in text and "run left" in text
+    assert "\r" in text  # the bar redraws in place
+    assert "epoch 2/2 done" in text
+
+    piped = ok(
+        subprocess.run(
+            [sys.executable, "-m", "ddptrain", *args[:-2], "--out-dir", str(tmp_path / "pipe")],
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE,
+            env=env_with(),
+        )
+    )
+    assert "epoch 1/1 [1/3] loss" in piped.stdout and "%|" not in piped.stdout
+    for name in ("world", "batch", "steps/epoch", "model", "strategy", "data", "start"):
+        assert f"{name}: " in piped.stdout, name
+
+
+def rows(out_dir) -> list[dict]:
+    with open(out_dir / "summary.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def scalar_steps(out_dir, tag: str) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out_dir / "tensorboard"))
+    events.Reload()
+    return [event.step for event in events.Scalars(tag)]
+
+
+def test_records_continue_once_each_after_a_restart(tiny_data, tmp_path):
+    # Killed while committing epoch 1's checkpoint (global step 3), after its records were
+    # written: the restart resumes from step 2, drops them, and records them again.
+    out, marker = tmp_path / "run", tmp_path / "killed"
+    args = ("train", *tiny_args(tiny_data, out), "--checkpoint-every", 2)
+    args = (*args, "--resume", "auto", "--tensorboard", "--epochs", 2)
+    kill = {"DDPTRAIN_TEST_KILL": "before_rename:0:3", "DDPTRAIN_TEST_KILL_ONCE": str(marker)}
+    ok(torchrun(2, *args, env=kill, restarts=2))
+    assert marker.exists(), "the fault never fired"
+    assert [r["epoch"] for r in rows(out)] == ["1", "2"]
+    assert {"train_loss", "val_acc1", "lr"} <= rows(out)[0].keys()
+    assert scalar_steps(out, "val/acc1") == [3, 6]
+    assert scalar_steps(out, "step/loss") == [1, 2, 3, 4, 5, 6]  # -p 1: every step once
+
+    ok(torchrun(2, *args[:-1], 3))  # one more epoch
+    assert [r["epoch"] for r in rows(out)] == ["1", "2", "3"]
+    assert scalar_steps(out, "val/acc1") == [3, 6, 9]
