@@ -250,6 +250,16 @@ class Config:
         None, "clip the gradients' total norm (over all ranks) to this", metavar="NORM"
     )
 
+    nonfinite: str = _flag(
+        "error",
+        "a non-finite loss or gradient: error stops every rank naming the step and the last "
+        "good checkpoint; skip drops that step's update on every rank (a host sync per step)",
+        choices=("error", "skip"),
+    )
+    max_skipped: int = _flag(
+        10, "--nonfinite skip: stop once this many steps were skipped in a run", metavar="N"
+    )
+
     progress: str = _flag(
         "auto",
         "rank 0's view of training: a bar on a terminal, plain lines elsewhere (auto), or none",
@@ -370,6 +380,7 @@ class Config:
             "--lr-base-batch": self.lr_base_batch,
             "--model-ema-steps": self.model_ema_steps,
             "--accum-steps": self.accum_steps,
+            "--max-skipped": self.max_skipped,
         }
         for flag, value in positive.items():
             if value <= 0:

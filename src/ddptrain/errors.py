@@ -45,9 +45,8 @@ def one_line(err: BaseException) -> str:
 _PEER_LOST = (
     "closed by peer",
     "reset by peer",
-    "timed out",
-    "timeout",
-    "pair closure",
+    "timed out waiting",  # gloo: "Timed out waiting 10000ms for recv operation to complete"
+    "application timeout caused pair closure",
     "gloo/transport",
 )
 

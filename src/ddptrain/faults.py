@@ -11,6 +11,8 @@ Inert unless the DDPTRAIN_TEST_* environment variables are set; nothing else rea
   run restarted after the kill goes through.
 - DDPTRAIN_TEST_SIGNAL=NAME sends signal NAME (e.g. SIGTERM) instead of SIGKILL.
 - DDPTRAIN_TEST_STALL_RANK=N hangs rank N forever before its first step, as a wedged process.
+- DDPTRAIN_TEST_NAN=RANK:STEP makes global rank RANK's batch NaN at global step STEP, as a
+  blow-up on one rank.
 """
 
 import os
@@ -18,11 +20,12 @@ import signal
 import time
 from pathlib import Path
 
-KILL, ONCE, SIGNAL, STALL = (
+KILL, ONCE, SIGNAL, STALL, NAN = (
     "DDPTRAIN_TEST_KILL",
     "DDPTRAIN_TEST_KILL_ONCE",
     "DDPTRAIN_TEST_SIGNAL",
     "DDPTRAIN_TEST_STALL_RANK",
+    "DDPTRAIN_TEST_NAN",
 )
 POINTS = ("data", "backward", "between", "before_rename", "after_rename")
 
@@ -54,6 +57,13 @@ def kill_point(point: str, step: int) -> None:
         Path(once).touch()
     # Delivered before os.kill returns: a signal a process sends itself is not deferred.
     os.kill(os.getpid(), signal.Signals[os.environ.get(SIGNAL, "SIGKILL")])
+
+
+def poison(images, step: int):
+    """images, or NaN in their place where DDPTRAIN_TEST_NAN asks for it at this step."""
+    if os.environ.get(NAN) == f"{_rank}:{step}":
+        return images * float("nan")
+    return images
 
 
 def maybe_stall(rank: int) -> None:

@@ -131,11 +131,26 @@ def test_a_stop_signal_exits_with_128_plus_its_number(tiny_data, tmp_path):
     assert "continue with --resume auto" in result.stderr
 
 
-def test_a_stop_signal_with_nothing_to_save_exits_at_once(tiny_data, tmp_path):
+def test_a_stop_signal_with_nothing_to_save_leaves_every_file_as_it_was(tiny_data, tmp_path):
     ok(ddptrain(*args(tiny_data, tmp_path, epochs=1)))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     env = {"DDPTRAIN_TEST_KILL": "between:0:4", "DDPTRAIN_TEST_SIGNAL": "SIGTERM"}
     result = ddptrain(*args(tiny_data, tmp_path), env=env)  # signalled before its first step
     assert result.returncode == 128 + signal.SIGTERM, result.stderr
-    assert "nothing trained since the last checkpoint" in result.stderr
+    assert "stopped by SIGTERM after global step 3" in result.stderr
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_signal_to_one_rank_just_after_a_checkpoint_stops_both_together(tiny_data, tmp_path):
+    # Rank 1 is signalled right after epoch 1's checkpoint (global step 3), with nothing
+    # unsaved: it does not exit alone; both ranks agree at the next boundary, after step 4,
+    # save it, and exit together.
+    out = tmp_path / "run"
+    env = {"DDPTRAIN_TEST_KILL": "between:1:4", "DDPTRAIN_TEST_SIGNAL": "SIGTERM"}
+    started = time.monotonic()
+    result = torchrun(2, *args(tiny_data, out, checkpoint_every=0), env=env)
+    assert time.monotonic() - started < 60
+    assert result.returncode != 0
+    assert result.stderr.count("ddptrain: stopped by SIGTERM after global step 4") == 2
+    assert "lost contact" not in result.stderr
+    assert training_state(out)["global_step"] == 4

@@ -160,6 +160,7 @@ class Checkpointer:
 
         def write() -> None:
             if self.env.is_main:
+                _check_finite(checkpoint, state)
                 files.save(self.out_dir, checkpoint, is_best, self.keep_last)
                 # Written with the checkpoint, not before: a run that fails early changes nothing.
                 config_json = json.dumps(self.record, indent=2).encode()
@@ -175,6 +176,15 @@ class Checkpointer:
             if name in checkpoint and name not in skip:
                 part.load_state_dict(checkpoint[name])
         return TrainState.from_checkpoint(checkpoint)
+
+
+def _check_finite(checkpoint: dict, state: TrainState) -> None:
+    """Weights with a NaN or inf are never written (nor chosen by --resume auto)."""
+    if not files.weights_finite(checkpoint):
+        raise UserError(
+            f"the weights are not finite at global step {state.global_step}: not saved (the "
+            "previous checkpoint stays the newest); lower --lr, or see --nonfinite"
+        )
 
 
 def check_compatible(checkpoint: dict, path: Path, arch: str, class_to_idx: dict) -> None:

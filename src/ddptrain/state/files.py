@@ -117,11 +117,23 @@ def resolve(resume: str | None, out_dir: Path) -> Path | None:
             continue
         tried.append(path)
         try:
-            load(path, mmap=True)
+            if not weights_finite(load(path, mmap=True)):
+                raise UserError(f"{path} holds non-finite weights")
             return path
         except UserError as err:
             print(f"warning: --resume auto: skipping {err}", file=sys.stderr, flush=True)
     return None
+
+
+def weights_finite(checkpoint: dict) -> bool:
+    """Whether every floating-point tensor of the model (and its EMA) is finite."""
+    states = [checkpoint.get("model", {}), checkpoint.get("model_ema", {}).get("model", {})]
+    return all(
+        bool(torch.isfinite(t).all())
+        for state in states
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    )
 
 
 def _verify(path: Path) -> None:

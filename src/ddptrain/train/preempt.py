@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.dist.env import DistEnv, cpu_group
-from ddptrain.errors import Stopped
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# A MAX all-reduce of (this minus a step) finds the earliest step any rank reported.
+_EARLIEST = 1 << 62
 
 
 class StopRequests:
@@ -25,10 +26,12 @@ class StopRequests:
     def __init__(self, env: DistEnv):
         self.env = env
         self.received = 0  # the signal number this rank got, 0 for none
-        # Steps trained since the last checkpoint: set by the trainer. Without any, a signal
-        # ends this rank at once: there is nothing to save, and a rank stalled outside the step
-        # loop could not reach the next boundary anyway.
+        # Steps trained since the last checkpoint (set by the trainer): what a stop saves.
         self.unsaved = False
+        # The first global step with a non-finite loss that any rank saw (0: none), as of the
+        # previous boundary: `report_nonfinite` rides the same all-reduce as the signals.
+        self.nonfinite_step = 0
+        self._nonfinite_key = 0
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
         self._previous: dict = {}
 
@@ -44,23 +47,27 @@ class StopRequests:
             self._pending[0].wait()  # leave no collective in flight behind a finished run
 
     def _on_signal(self, signum: int, frame) -> None:
+        # Never an exit of this rank alone: the next boundary's agreement stops every rank.
         self.received = self.received or signum
-        if not self.unsaved:
-            name = signal.Signals(signum).name
-            raise Stopped(signum, f"stopped by {name}: nothing trained since the last checkpoint")
+
+    def report_nonfinite(self, global_step: int) -> None:
+        """This rank saw a non-finite loss at global_step (read at a print step)."""
+        self._nonfinite_key = max(self._nonfinite_key, _EARLIEST - global_step)
 
     def agreed(self) -> int:
         """The signal every rank stops for now (the highest number any rank received up to the
         previous boundary), or 0 to go on. A collective: every rank calls it at every step
         boundary."""
         if not self.env.distributed:
+            self.nonfinite_step = _EARLIEST - self._nonfinite_key if self._nonfinite_key else 0
             return self.received
         stop = 0
         if self._pending is not None:
             work, flag = self._pending
             work.wait()
-            stop = int(flag.item())  # a CPU tensor: no device synchronisation
-        flag = torch.tensor([self.received], dtype=torch.int32)
+            stop, key = flag.tolist()  # a CPU tensor: no device synchronisation
+            self.nonfinite_step = _EARLIEST - key if key else 0
+        flag = torch.tensor([self.received, self._nonfinite_key], dtype=torch.int64)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group(), async_op=True)
         self._pending = (work, flag)
         return stop

@@ -5,6 +5,7 @@ import random
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,12 +18,13 @@ from ddptrain.data.loaders import Data
 from ddptrain.data.sampler import PADDING
 from ddptrain.dist.collectives import broadcast_buffers
 from ddptrain.dist.env import DistEnv
-from ddptrain.errors import Stopped
-from ddptrain.model.parallelize import no_gradient_sync, unwrap
+from ddptrain.errors import Stopped, UserError
+from ddptrain.model.parallelize import is_sharded, no_gradient_sync, unwrap
 from ddptrain.model.precision import Precision
 from ddptrain.report.metrics import Sums, summarize
 from ddptrain.report.reporter import Reporter
 from ddptrain.state.checkpointer import Checkpointer, TrainState
+from ddptrain.state.files import numbered
 from ddptrain.train.ema import ModelEma
 from ddptrain.train.loss import Criterion
 from ddptrain.train.preempt import StopRequests
@@ -50,11 +52,14 @@ class Step:
         scheduler=None,
         accum_steps: int = 1,
         clip_grad_norm: float | None = None,
+        skip_nonfinite: bool = False,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.precision = precision or Precision()
         self.criterion = criterion or nn.CrossEntropyLoss()
         self.accum_steps, self.clip_grad_norm = accum_steps, clip_grad_norm
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped = False  # the last call dropped its update (--nonfinite skip)
 
     def forward(self, images: torch.Tensor, target: torch.Tensor):
         """The (device) loss and logits."""
@@ -68,6 +73,23 @@ class Step:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss / self.accum_steps if self.accum_steps > 1 else loss)
+
+    def gradients_finite(self) -> bool:
+        """Whether every gradient is finite, the same answer on every rank (DDP's are reduced
+        over the ranks; FSDP's shards are agreed on). A host synchronisation: --nonfinite skip
+        pays it at every step, to decide before the update."""
+        flags = [
+            torch.isfinite(getattr(p.grad, "_local_tensor", p.grad)).all()
+            for p in self.model.parameters()
+            if p.grad is not None
+        ]
+        finite = (
+            torch.stack(flags).all().to(torch.int32) if flags else torch.ones((), dtype=torch.int32)
+        )
+        if is_sharded(self.model):
+            finite = finite.reshape(1)
+            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        return bool(finite)
 
     def clip(self) -> None:
         """The gradients' total norm over all ranks (equal on every rank: they are reduced)
@@ -98,8 +120,12 @@ class Step:
                 self.backward(loss)
             losses.append(loss.detach())
             outputs.append(output)
-        self.clip()
-        self.optimizer_step()
+        self.skipped = self.skip_nonfinite and not self.gradients_finite()
+        if self.skipped:
+            self.optimizer.zero_grad(set_to_none=True)  # the update dropped on every rank
+        else:
+            self.clip()
+            self.optimizer_step()
         self.schedule()
         if self.accum_steps == 1:
             return losses[0], outputs[0]
@@ -150,6 +176,7 @@ class Run:
     stop: StopRequests
     criterion: Criterion | None = None  # None: plain cross-entropy
     ema: ModelEma | None = None
+    skipped: int = 0  # steps whose update --nonfinite skip dropped in this run
 
     def step(self) -> Step:
         return Step(
@@ -160,6 +187,7 @@ class Run:
             self.scheduler,
             self.config.accum_steps,
             self.config.clip_grad_norm,
+            skip_nonfinite=self.config.nonfinite == "skip",
         )
 
 
@@ -206,13 +234,18 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
         state.train_sums if state.train_sums is not None else torch.zeros(4, dtype=torch.float64)
     )
     start = time.perf_counter()
-    waiting = 0.0
+    waiting, skipped = 0.0, 0
+    # The first global step with a non-finite loss on this rank, kept on the device (0: none):
+    # read at print steps only, so finding it costs no host synchronisation.
+    first_bad = torch.zeros((), dtype=torch.int64, device=env.device)
     batches = iter(run.data.train_loader)
     reporter.begin_epoch(epoch, config.epochs, first, steps)
     faults.maybe_stall(env.rank)
     for step in range(first + 1, steps + 1):
         faults.kill_point("between", state.global_step + 1)
         signum = run.stop.agreed()
+        if run.stop.nonfinite_step:
+            _nonfinite(run, run.stop.nonfinite_step)
         if signum:
             _stop(run, state, sums, carried, signum)
         _reseed(run.seed, epoch, step, env.rank)
@@ -223,10 +256,17 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
         target = target.to(env.device, non_blocking=True)
         if run.criterion is not None:
             images, target = run.criterion.prepare(images, target, torch.default_generator)
+        images = faults.poison(images, state.global_step + 1)
         _backward_fault(model, state.global_step + 1)
         loss, output = step_once(images, target)
-        sums.add(loss, output, Criterion.hard_target(target))
         state.global_step += 1
+        if step_once.skipped:
+            skipped += 1
+            _count_skipped(run, state)
+        else:
+            sums.add(loss, output, Criterion.hard_target(target))
+            bad = (first_bad == 0) & ~torch.isfinite(loss.detach())
+            first_bad = torch.where(bad, state.global_step, first_bad)
         state.epoch_step = step
         if run.ema is not None:
             run.ema.update(unwrap(model), state.global_step)
@@ -235,6 +275,8 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
         if step % config.print_freq == 0 or step == steps:
             now = time.perf_counter()
             local = sums.summary()  # this rank's running means: a host sync, at print steps only
+            if first_bad:  # agreed at the next boundary, with the stop signals
+                run.stop.report_nonfinite(int(first_bad))
             rate = local["samples"] * env.world_size / (now - start)
             lr = run.optimizer.param_groups[0]["lr"]
             values = {**local, "samples_per_sec": rate, "data_wait": waiting / (now - start)}
@@ -242,16 +284,49 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
         every = config.checkpoint_every
         # Not at the epoch's last step: the epoch's end has its own checkpoint, after evaluation.
         if every and state.global_step % every == 0 and step < steps:
-            state.train_sums = sums.totals(env) + carried
+            state.train_sums = _finite(run, state, sums.totals(env) + carried)
             save(run, state)
     reporter.end_epoch()
     elapsed = time.perf_counter() - start
-    new = sums.totals(env)
+    new = _finite(run, state, sums.totals(env))
     return {
         **summarize(new + carried),
         "samples_per_sec": new[3].item() / elapsed,
         "data_wait": waiting / elapsed,
+        "skipped": skipped,
     }
+
+
+def _finite(run: Run, state: TrainState, totals: torch.Tensor) -> torch.Tensor:
+    """totals (all-reduced: the same on every rank), unless a loss in them was not finite."""
+    if not torch.isfinite(totals).all():
+        _nonfinite(run, state.global_step, at_or_before=True)
+    return totals
+
+
+def _nonfinite(run: Run, global_step: int, at_or_before: bool = False) -> None:
+    """Every rank stops here: training went non-finite, and nothing after it is saved."""
+    saved = numbered(Path(run.config.out_dir))
+    last = f"the last good checkpoint is {saved[0]}" if saved else "no checkpoint was written"
+    when = (
+        f"at or before global step {global_step}"
+        if at_or_before
+        else f"at global step {global_step}"
+    )
+    raise UserError(
+        f"the loss became non-finite {when} (--nonfinite error); {last}: resume from it with "
+        "--resume auto and a lower --lr, or train with --nonfinite skip"
+    )
+
+
+def _count_skipped(run: Run, state: TrainState) -> None:
+    run.skipped += 1
+    if run.skipped >= run.config.max_skipped:
+        raise UserError(
+            f"--nonfinite skip: {run.skipped} steps had non-finite gradients, the last at global "
+            f"step {state.global_step} (--max-skipped {run.config.max_skipped}); lower --lr, or "
+            "try --clip-grad-norm"
+        )
 
 
 def _stop(run: Run, state: TrainState, sums: Sums, carried: torch.Tensor, signum: int) -> None:

@@ -1,0 +1,45 @@
+"""A loss that turns NaN or inf, on 2 ranks under torchrun: every rank agrees, no non-finite
+checkpoint is ever written, and --nonfinite skip drops the bad step on every rank."""
+
+import json
+
+from cli import ok, tiny_args, torchrun, training_state
+from test_user_errors import assert_user_error
+
+from ddptrain.state.files import load, numbered, weights_finite
+
+
+def train_records(out_dir) -> list[dict]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == "train"]
+
+
+def test_a_learning_rate_that_blows_up_stops_every_rank(tiny_data, tmp_path):
+    # Step 1's update with lr 1e30 leaves huge but finite weights; step 2's loss is not finite.
+    args = ("train", *tiny_args(tiny_data, tmp_path), "--lr", "1e30", "--epochs", 2)
+    result = torchrun(2, *args, "--checkpoint-every", 1, "--resume", "auto")
+    needles = ("the loss became non-finite", "global step 2", "checkpoint-000000001.pt")
+    assert_user_error(result, *needles, traceback_allowed=True)  # torchrun's own summary
+    errors = [line for line in result.stderr.splitlines() if "ddptrain: error:" in line]
+    assert len(errors) == 2 and errors[0] == errors[1]  # both ranks, the same step
+    assert [p.name for p in numbered(tmp_path)] == ["checkpoint-000000001.pt"]
+    assert weights_finite(load(tmp_path / "checkpoint-000000001.pt"))
+    assert not (tmp_path / "metrics.jsonl").exists()  # no epoch record of NaN
+
+
+def test_skip_drops_the_bad_step_on_every_rank_and_goes_on(tiny_data, tmp_path):
+    poisoned = {"DDPTRAIN_TEST_NAN": "1:2"}  # rank 1's batch at step 2 only
+    args = ("train", *tiny_args(tiny_data, tmp_path), "--epochs", 2, "--nonfinite", "skip")
+    result = ok(torchrun(2, *args, env=poisoned))
+    assert "ddptrain: error" not in result.stderr
+    assert [r["skipped"] for r in train_records(tmp_path)] == [1, 0]
+    assert train_records(tmp_path)[0]["samples"] == 16  # the skipped step's 8 left out
+    state = training_state(tmp_path)
+    assert state["global_step"] == 6 and weights_finite(state)
+
+
+def test_skip_stops_after_max_skipped(tiny_data, tmp_path):
+    args = ("train", *tiny_args(tiny_data, tmp_path), "--lr", "1e30", "--nonfinite", "skip")
+    result = torchrun(2, *args, "--max-skipped", 2)
+    needle = "--nonfinite skip: 2 steps had non-finite gradients"
+    assert_user_error(result, needle, traceback_allowed=True)  # torchrun's own summary
