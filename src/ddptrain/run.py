@@ -29,11 +29,13 @@ from ddptrain.state.files import (
     LATEST,
     TrainState,
     check_compatible,
+    checkpoint_bytes,
     load,
     numbered,
     remove_stale_temp_files,
     resolve,
     restore,
+    warn_if_no_room,
 )
 from ddptrain.train import trainer
 from ddptrain.train.optim import build_optimizer, fast_forward
@@ -60,6 +62,8 @@ def _train(config: Config, env: DistEnv) -> TrainState:
     loaders, model, optimizer, scheduler, state, precision, seed = agree(
         env, lambda: _prepare(config, env, out_dir, seed, resume)
     )
+    if env.is_main and not config.evaluate:  # before the first save, while a warning helps
+        warn_if_no_room(out_dir, checkpoint_bytes(model, optimizer), config.keep_last)
     train_samples = loaders.train_sampler.num_samples if loaders.train_sampler else 0
     check_same(
         env,
