@@ -37,6 +37,7 @@ from ddptrain.state.files import (
     restore,
     warn_if_no_room,
 )
+from ddptrain.state.lock import lock_out_dir, unlock_out_dir
 from ddptrain.train import trainer
 from ddptrain.train.optim import build_optimizer, fast_forward
 from ddptrain.train.preempt import StopRequests
@@ -48,6 +49,7 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
     try:
         return _train(config, env)
     finally:
+        unlock_out_dir()  # taken in _prepare
         teardown_distributed()
 
 
@@ -147,6 +149,8 @@ def _seed_everything(seed: int, env: DistEnv) -> None:
 
 def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Path | None):
     """Everything that may fail on some ranks only. No collectives in here."""
+    if env.is_main and not config.evaluate:
+        lock_out_dir(out_dir)  # one run per out-dir, before it is cleaned or written
     if env.is_main:
         _check_out_dir(out_dir, resume, config.evaluate, config.resume == "auto")
     saved = None if resume is None else _load(resume)
