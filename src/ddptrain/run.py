@@ -25,6 +25,7 @@ from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.parallelize import wrap
 from ddptrain.model.precision import resolve_precision
 from ddptrain.report.metrics import MetricsLog
+from ddptrain.state.data_facts import check_same_data
 from ddptrain.state.files import (
     LATEST,
     TrainState,
@@ -75,6 +76,7 @@ def _train(config: Config, env: DistEnv) -> TrainState:
             "classes": loaders.class_to_idx,
             "resumed position": (state.epoch, state.epoch_step, state.global_step),
             "data seed": seed,
+            "data files": loaders.facts,
         },
     )
 
@@ -122,6 +124,7 @@ def _records(config: Config, env: DistEnv, loaders: Data, precision, seed: int):
         "class_to_idx": loaders.class_to_idx,
         "config": settings,
         "data_seed": seed,  # a resumed run continues the same data order
+        "data_facts": loaders.facts,  # and must resume on the same data (check_same_data)
     }
     runtime = {
         "world_size": env.world_size,
@@ -160,6 +163,8 @@ def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Pat
     loaders = build_data(config, env, _data_root(config, env), seed)
     if saved is not None:
         check_compatible(saved, resume, config.arch, loaders.class_to_idx)
+    if saved is not None and not config.evaluate:  # evaluating on other data is fine
+        check_same_data(saved, loaders.facts, resume)
     saved_config = None if saved is None else saved.get("config")
     model = build_model(config.arch, loaders.num_classes, config.image_size, config.pretrained)
     precision = resolve_precision(config, saved_config, model, env.device)

@@ -1,5 +1,6 @@
 """Image folders: class discovery, checks, and decoding files into uint8 RGB tensors."""
 
+import hashlib
 import io
 import os
 from pathlib import Path
@@ -75,3 +76,14 @@ def check_same_classes(train: ImageFolder, val: ImageFolder) -> None:
             f"class folders of {train.root} and {val.root} differ: only in train: "
             f"{only_train or 'none'}; only in val: {only_val or 'none'}"
         )
+
+
+def facts(dataset: ImageFolder) -> dict:
+    """The image count and a digest of the sorted file list (paths relative to the split's root,
+    with labels): what a checkpoint records, so that resuming on other data is noticed."""
+    prefix = os.path.join(dataset.root, "")
+    digest = hashlib.sha256()
+    for path, label in sorted(dataset.samples):
+        relative = path[len(prefix) :] if path.startswith(prefix) else path
+        digest.update(f"{relative}\t{label}\n".encode())
+    return {"images": len(dataset.samples), "digest": digest.hexdigest()}

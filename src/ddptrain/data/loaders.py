@@ -6,7 +6,7 @@ normalised on the device (`Precision.inputs`), which moves a quarter of the byte
 the per-pixel float work off the loader's cores.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch.utils.data import DataLoader, Subset
@@ -14,6 +14,7 @@ from torchvision import datasets
 from torchvision.transforms import v2
 
 from ddptrain.config import Config
+from ddptrain.data import folder
 from ddptrain.data.folder import check_same_classes, image_folder
 from ddptrain.data.sampler import GlobalBatchSampler, SeededSamples, shard
 from ddptrain.data.transforms import train_transform, val_transform
@@ -30,6 +31,9 @@ class Data:
     val_loader: DataLoader
     num_val: int
     class_to_idx: dict[str, int]
+    # Per split: {"images": count, "digest": of the file list, None for --dummy}. Checkpoints
+    # record it, so resuming on other data is refused (state/data_facts.py).
+    facts: dict = field(default_factory=dict)
 
     @property
     def num_classes(self) -> int:
@@ -72,12 +76,20 @@ def build_data(config: Config, env: DistEnv, data_root: Path | None, seed: int) 
     val_loader = DataLoader(
         Subset(val, shard(len(val), env.rank, env.world_size)), per_rank, **common
     )
+    facts = {"val": _facts(val)}
     if train is None:
-        return Data(None, None, val_loader, len(val), class_to_idx)
+        return Data(None, None, val_loader, len(val), class_to_idx, facts)
     if len(train) < config.batch_size:
         raise UserError(
             f"--batch-size {config.batch_size} is larger than the {len(train)} training images"
         )
     sampler = GlobalBatchSampler(len(train), config.batch_size, env.rank, env.world_size, seed)
     train_loader = DataLoader(SeededSamples(train), per_rank, sampler=sampler, **common)
-    return Data(train_loader, sampler, val_loader, len(val), class_to_idx)
+    facts["train"] = _facts(train)
+    return Data(train_loader, sampler, val_loader, len(val), class_to_idx, facts)
+
+
+def _facts(dataset) -> dict:
+    if isinstance(dataset, folder.ImageFolder):
+        return folder.facts(dataset)
+    return {"images": len(dataset), "digest": None}  # --dummy: no files
