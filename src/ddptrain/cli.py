@@ -141,6 +141,29 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model"
     )
+    p.add_argument(
+        "--verify-images",
+        action="store_true",
+        help="decode every image of DATA before training (as `ddptrain check`)",
+    )
+    p.add_argument(
+        "--bad-images",
+        default=d.bad_images,
+        metavar="error|skip",
+        help="an undecodable image: stop (default), or leave it out (checks every image first)",
+    )
+    _add_max_pixels(p)
+
+
+def _add_max_pixels(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=Config.max_image_pixels,
+        metavar="N",
+        help="an image whose header declares more pixels is bad (decompression bomb; "
+        "default: PIL's %(default)s)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,11 +185,22 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--val-per-class", type=int, default=s.val_per_class)
     synth.add_argument("--size", type=int, default=s.size, help="image side in px")
     synth.add_argument("--seed", type=int, default=s.seed)
+    check = commands.add_parser("check", help="decode every image of DATA, list the bad ones")
+    check.add_argument("data", metavar="DATA", help="ImageFolder root with train/ and val/")
+    check.add_argument(
+        "-j",
+        "--workers",
+        type=int,
+        default=None,
+        help="decoding processes (default: the usable CPUs)",
+    )
+    _add_max_pixels(check)
     return top
 
 
 def parse(argv: list[str] | None = None) -> tuple[str, object]:
-    """Returns ("train", Config) for train and eval, ("synth", (SynthSpec, OUT)) for synth."""
+    """Returns ("train", Config) for train and eval, ("synth", (SynthSpec, OUT)) for synth,
+    ("check", {"data", "workers", "max_image_pixels"}) for check."""
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     launcher_local_rank = args.pop("launcher_local_rank")
@@ -174,6 +208,8 @@ def parse(argv: list[str] | None = None) -> tuple[str, object]:
         out = args.pop("out")
         spec = SynthSpec(**{k: v for k, v in args.items()})
         return command, (spec, out)
+    if command == "check":
+        return command, args
     if args["local_rank"] is None:
         args["local_rank"] = launcher_local_rank
     if command == "eval":
@@ -183,6 +219,11 @@ def parse(argv: list[str] | None = None) -> tuple[str, object]:
 
 def _run(argv: list[str] | None) -> None:
     command, options = parse(argv)
+    if command == "check":
+        from ddptrain.data.check import check_command
+
+        check_command(**options)
+        return
     if command == "synth":
         from ddptrain.data.synth import write
 

@@ -12,6 +12,9 @@ from ddptrain.errors import UserError
 DEVICES = ("auto", "cpu", "cuda", "mps", "xpu")
 BACKENDS = ("gloo", "nccl", "xccl", "mpi", "ucc")
 AMP = ("none", "bf16", "fp16")
+BAD_IMAGES = ("error", "skip")
+# PIL's own default limit (1024 * 1024 * 1024 // 4 // 3): about a 9,500 px square.
+MAX_IMAGE_PIXELS = 89_478_485
 # Train crop of the built-in dataset, whose images are 40 px; real data gets ImageNet's 224.
 BUILTIN_IMAGE_SIZE = 32
 DEFAULT_IMAGE_SIZE = 224
@@ -63,6 +66,11 @@ class Config:
     amp: str | None = None
     channels_last: bool | None = None
     compile: bool | None = None
+    # Bad images: decode every image before training (data/check.py); skip the bad ones
+    # (implies the check) or stop; refuse headers declaring more pixels (decompression bombs).
+    verify_images: bool = False
+    bad_images: str = "error"
+    max_image_pixels: int = MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
         if self.image_size is None:
@@ -82,6 +90,7 @@ class Config:
             "--dist-timeout": (self.dist_timeout, 1),
             "--checkpoint-every": (self.checkpoint_every, 0),
             "--keep-last": (self.keep_last, 1),
+            "--max-image-pixels": (self.max_image_pixels, 1),
         }
         for flag, (value, low) in at_least.items():
             if value < low:
@@ -95,6 +104,10 @@ class Config:
             raise UserError(
                 f"--arch: unknown architecture {self.arch!r}; choose one of: "
                 + ", ".join(architectures())
+            )
+        if self.bad_images not in BAD_IMAGES:
+            raise UserError(
+                f"--bad-images must be one of {', '.join(BAD_IMAGES)}, got {self.bad_images!r}"
             )
         if self.amp is not None and self.amp not in AMP:
             raise UserError(f"--amp must be one of {', '.join(AMP)}, got {self.amp!r}")

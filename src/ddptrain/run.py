@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ddptrain.config import Config
+from ddptrain.data.check import images_to_leave_out
 from ddptrain.data.loaders import Data, build_data
 from ddptrain.data.synth import ensure_builtin
 from ddptrain.dist.collectives import agree, check_same, from_rank0
@@ -50,20 +51,23 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
     try:
         return _train(config, env)
     finally:
-        unlock_out_dir()  # taken in _prepare
+        unlock_out_dir()  # taken in _train
         teardown_distributed()
 
 
 def _train(config: Config, env: DistEnv) -> TrainState:
     config.check_batch_divides(env.world_size)
     out_dir = Path(config.out_dir)
+    if not config.evaluate:  # one run per out-dir, before anything reads or writes it
+        agree(env, lambda: lock_out_dir(out_dir) if env.is_main else None)
     seed = from_rank0(env, lambda: _data_seed(config))
     resume = from_rank0(env, lambda: resolve(config.resume, out_dir))
     if config.seed is not None:
         _seed_everything(config.seed, env)
 
+    leave_out = images_to_leave_out(config, env)  # --verify-images, --bad-images skip
     loaders, model, optimizer, scheduler, state, precision, seed = agree(
-        env, lambda: _prepare(config, env, out_dir, seed, resume)
+        env, lambda: _prepare(config, env, out_dir, seed, resume, leave_out)
     )
     if env.is_main and not config.evaluate:  # before the first save, while a warning helps
         warn_if_no_room(out_dir, checkpoint_bytes(model, optimizer), config.keep_last)
@@ -150,17 +154,22 @@ def _seed_everything(seed: int, env: DistEnv) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Path | None):
+def _prepare(
+    config: Config,
+    env: DistEnv,
+    out_dir: Path,
+    seed: int,
+    resume: Path | None,
+    leave_out: frozenset[str],
+):
     """Everything that may fail on some ranks only. No collectives in here."""
-    if env.is_main and not config.evaluate:
-        lock_out_dir(out_dir)  # one run per out-dir, before it is cleaned or written
     if env.is_main:
         _check_out_dir(out_dir, resume, config.evaluate, config.resume == "auto")
     saved = None if resume is None else _load(resume)
     if saved is not None:
         seed = int(saved.get("data_seed", seed))
         _check_position(saved, config)
-    loaders = build_data(config, env, _data_root(config, env), seed)
+    loaders = build_data(config, env, _data_root(config, env), seed, leave_out)
     if saved is not None:
         check_compatible(saved, resume, config.arch, loaders.class_to_idx)
     if saved is not None and not config.evaluate:  # evaluating on other data is fine

@@ -40,7 +40,7 @@ class Data:
         return len(self.class_to_idx)
 
 
-def _datasets(config: Config, data_root: Path | None):
+def _datasets(config: Config, data_root: Path | None, leave_out: frozenset[str]):
     size = config.image_size
     if config.dummy:
         shape = (3, size, size)
@@ -56,18 +56,28 @@ def _datasets(config: Config, data_root: Path | None):
             random_offset=1,
         )
         return train, val, {str(i): i for i in range(DUMMY_CLASSES)}
-    val = image_folder(data_root / "val", val_transform(size))
+    val = image_folder(data_root / "val", val_transform(size), config.max_image_pixels)
+    folder.leave_out(val, "val", leave_out)
     if config.evaluate:
         return None, val, val.class_to_idx
-    train = image_folder(data_root / "train", train_transform(size))
+    train = image_folder(data_root / "train", train_transform(size), config.max_image_pixels)
+    folder.leave_out(train, "train", leave_out)
     check_same_classes(train, val)
     return train, val, train.class_to_idx
 
 
-def build_data(config: Config, env: DistEnv, data_root: Path | None, seed: int) -> Data:
-    """Loaders for this rank. `seed` orders and augments the data; equal on every rank."""
+def build_data(
+    config: Config,
+    env: DistEnv,
+    data_root: Path | None,
+    seed: int,
+    leave_out: frozenset[str] = frozenset(),
+) -> Data:
+    """Loaders for this rank. `seed` orders and augments the data; equal on every rank.
+    `leave_out`: files (relative to data_root) that --bad-images skip leaves out, the same on
+    every rank (data/check.py)."""
     per_rank = config.batch_size // env.world_size
-    train, val, class_to_idx = _datasets(config, data_root)
+    train, val, class_to_idx = _datasets(config, data_root, leave_out)
     common = dict(
         num_workers=config.workers,
         pin_memory=env.device.type == "cuda",
