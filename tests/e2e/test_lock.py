@@ -39,15 +39,18 @@ def test_a_second_run_in_a_live_runs_out_dir_fails_naming_it(tiny_data, tmp_path
         first.wait(timeout=DEADLINE)
 
     # Killed, it left its lock file behind but no lock.
+    assert (out / ".lock").exists()
     ok(ddptrain("train", *tiny_args(tiny_data, out)))
+    assert not (out / ".lock").exists()  # removed by the run that ended
 
 
 def test_evaluate_takes_no_lock(tiny_data, tmp_path):
     out = tmp_path / "run"
     ok(ddptrain("train", *tiny_args(tiny_data, out)))
-    (out / ".lock").unlink()
+    (out / ".lock").write_text("")
+    before = (out / ".lock").stat()
     ok(ddptrain("eval", *tiny_args(tiny_data, out), "--resume", out / "checkpoint.pt"))
-    assert not (out / ".lock").exists()
+    assert (out / ".lock").stat().st_mtime_ns == before.st_mtime_ns  # neither taken nor removed
 
 
 def test_a_torchrun_restart_after_rank_0_died_is_not_refused(tiny_data, tmp_path):

@@ -74,7 +74,28 @@ def test_a_second_run_is_refused_naming_the_first_runs_host_and_pid(tmp_path):
     assert f"(host {socket.gethostname()}, pid {os.getpid()}, started " in second.stderr
 
     unlock_out_dir()
+    assert not (tmp_path / LOCK_FILE).exists()  # the run that ends removes it
     assert try_lock(tmp_path).stdout == "locked\n"
+
+
+def test_a_lock_file_removed_between_open_and_lock_is_not_the_one_taken(tmp_path, monkeypatch):
+    """The previous holder ended (unlocked and removed the file) just after this run opened
+    it: the lock on that orphan file must not count; the run takes the file at the path."""
+    path = tmp_path / LOCK_FILE
+    real_open = os.open
+
+    def open_then_holder_ends(name, *args):
+        fd = real_open(name, *args)
+        if not hasattr(open_then_holder_ends, "done"):
+            open_then_holder_ends.done = True
+            os.unlink(name)  # as unlock_out_dir in the other run
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_holder_ends)
+    lock_out_dir(tmp_path)
+    monkeypatch.undo()
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert try_lock(tmp_path).returncode == 1  # a third run sees this lock
 
 
 def test_the_lock_of_a_killed_run_is_taken_over_even_while_its_forked_child_lives(tmp_path):

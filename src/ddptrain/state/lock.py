@@ -2,9 +2,10 @@
 
 Two runs writing one out-dir would replace each other's checkpoints and interleave their
 metrics. The lock file records its holder's host and pid, so a second run fails at once naming
-them. The kernel releases a flock when its holder's file is closed, at the latest when the
-process dies, however it dies: a crashed run leaves the file but no lock, and the next run
-takes it over; the attempt torchrun restarts finds the dead attempt's lock gone with it.
+them; the run that ends removes it. The kernel releases a flock when its holder's file is
+closed, at the latest when the process dies, however it dies: a crashed run leaves the file but
+no lock, and the next run takes it over; the attempt torchrun restarts finds the dead attempt's
+lock gone with it.
 
 A flock belongs to the open file, which forked children (DataLoader workers) share: a worker
 that outlived a killed rank 0 for a few seconds would still hold the lock and refuse the
@@ -27,13 +28,13 @@ from ddptrain.errors import UserError
 
 LOCK_FILE = ".lock"
 
-_held: int | None = None  # the descriptor of this process's lock, None when it holds none
+_held: tuple[int, Path] | None = None  # this process's lock: descriptor and path
 
 
 def _close_in_child() -> None:
     global _held
     if _held is not None:
-        os.close(_held)  # the parent's lock stays: it ends when the parent's copy closes
+        os.close(_held[0])  # the parent's lock stays: it ends when the parent's copy closes
         _held = None
 
 
@@ -48,39 +49,66 @@ def lock_out_dir(out_dir: Path) -> None:
     path = out_dir / LOCK_FILE
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as err:
         raise UserError(f"--out-dir {out_dir}: {err.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        raise UserError(
-            f"--out-dir {out_dir} is in use by another run ({holder}): wait for it to end, "
-            "or choose another --out-dir"
-        ) from None
-    except OSError as err:  # no locks on this file system (some FUSE mounts)
-        os.close(fd)
-        print(
-            f"warning: --out-dir {out_dir}: cannot lock {path} ({err.strerror}); a second run "
-            "in the same out-dir would not be refused",
-            file=sys.stderr,
-            flush=True,
-        )
+    fd = _lock(path, out_dir)
+    if fd is None:
         return
-    _held = fd
+    _held = (fd, path)
     record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
     with contextlib.suppress(OSError):  # a full disk: the lock holds, only the record is lost
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
 
 
+def _lock(path: Path, out_dir: Path) -> int | None:
+    """The descriptor of path, locked; None where the file system has no locks."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            raise UserError(f"--out-dir {out_dir}: {err.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise UserError(
+                f"--out-dir {out_dir} is in use by another run ({holder}): wait for it to end, "
+                "or choose another --out-dir"
+            ) from None
+        except OSError as err:  # no locks on this file system (some FUSE mounts)
+            os.close(fd)
+            print(
+                f"warning: --out-dir {out_dir}: cannot lock {path} ({err.strerror}); a second "
+                "run in the same out-dir would not be refused",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
+        if _is_at(fd, path):
+            return fd
+        # The run that held it removed it between our open and our lock: ours is a lock on a
+        # file nobody else will open. Take the one at the path.
+        os.close(fd)
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    try:
+        opened, named = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (opened.st_dev, opened.st_ino) == (named.st_dev, named.st_ino)
+
+
 def unlock_out_dir() -> None:
-    """Ends this process's lock, if it holds one. The file stays, for the next run to take."""
+    """Ends this process's lock, if it holds one, and removes the lock file: removed while still
+    locked, so that a run which opened it meanwhile sees it gone and takes a new one."""
     global _held
     if _held is not None:
-        fd, _held = _held, None
+        (fd, path), _held = _held, None
+        with contextlib.suppress(OSError):
+            path.unlink()
         os.close(fd)
 
 
