@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from ddptrain.config import SECTIONS, flag_name, settings
+from ddptrain.config import MAX_IMAGE_PIXELS, SECTIONS, flag_name, settings
 from ddptrain.config_layers import kinds, merge, read, recipes
 from ddptrain.data.synth import SynthSpec
 from ddptrain.errors import report_errors
@@ -89,6 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--val-per-class", type=int, default=s.val_per_class)
     synth.add_argument("--size", type=int, default=s.size, help="image side in px")
     synth.add_argument("--seed", type=int, default=s.seed)
+    check = commands.add_parser("check", help="decode every image of DATA, list the bad ones")
+    check.add_argument("data", metavar="DATA", help="ImageFolder root with train/ and val/")
+    check.add_argument(
+        "-j", "--workers", type=int, help="decoding processes (default: the usable CPUs)"
+    )
+    check.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=MAX_IMAGE_PIXELS,
+        metavar="N",
+        help="an image whose header declares more pixels is bad (a decompression bomb; "
+        "default: %(default)s, PIL's)",
+    )
     _add_plot_flags(commands.add_parser("plot", help="draw runs' loss, accuracy, lr, samples/s"))
     _add_export_flags(
         commands.add_parser("export", help="a checkpoint's weights as .safetensors + .json")
@@ -120,10 +133,13 @@ def _add_export_flags(p: argparse.ArgumentParser) -> None:
 
 def parse(argv: list[str] | None = None) -> tuple[str, object]:
     """Returns ("train", Config) for train and eval, ("synth", (SynthSpec, OUT)) for synth,
-    ("plot", (RUN_DIRs, out or None)) and ("export", (CKPT, out))."""
+    ("plot", (RUN_DIRs, out or None)), ("export", (CKPT, out)) and ("check", {"data", "workers",
+    "max_image_pixels"})."""
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     launcher_local_rank = args.pop("launcher_local_rank")
+    if command == "check":
+        return command, args
     if command == "plot":
         return command, (args["run_dirs"], args["out"])
     if command == "export":
@@ -154,6 +170,11 @@ def _run(argv: list[str] | None) -> None:
         spec, out = options
         write(spec, out, progress=True)
         print(f"wrote {spec.describe()} to {out}")
+        return
+    if command == "check":
+        from ddptrain.data.check import check_command
+
+        check_command(**options)
         return
     if command == "plot":
         from ddptrain.report.plot import plot

@@ -18,6 +18,9 @@ DEVICES = ("auto", "cpu", "cuda", "mps", "xpu")
 BACKENDS = ("gloo", "nccl", "xccl", "mpi", "ucc")
 AMP = ("none", "bf16", "fp16")
 STRATEGIES = ("ddp", "fsdp")
+BAD_IMAGES = ("error", "skip")
+# PIL's own default limit (1024 * 1024 * 1024 // 4 // 3): about a 9,500 px square.
+MAX_IMAGE_PIXELS = 89_478_485
 # Train crop of the built-in dataset, whose images are 40 px; real data gets ImageNet's 224.
 BUILTIN_IMAGE_SIZE = 32
 DEFAULT_IMAGE_SIZE = 224
@@ -250,6 +253,19 @@ class Config:
         None, "clip the gradients' total norm (over all ranks) to this", metavar="NORM"
     )
 
+    verify_images: bool = _flag(
+        False, "decode every image of DATA before training (as `ddptrain check`)"
+    )
+    bad_images: str = _flag(
+        "error",
+        "an undecodable image: stop, or leave it out on every rank (checks every image first)",
+        choices=BAD_IMAGES,
+    )
+    max_image_pixels: int = _flag(
+        MAX_IMAGE_PIXELS,
+        "an image whose header declares more pixels is bad (a decompression bomb)",
+        metavar="N",
+    )
     nonfinite: str = _flag(
         "error",
         "a non-finite loss or gradient: error stops every rank naming the step and the last "
@@ -293,6 +309,7 @@ class Config:
             "--dist-timeout": (self.dist_timeout, 1),
             "--checkpoint-every": (self.checkpoint_every, 0),
             "--keep-last": (self.keep_last, 1),
+            "--max-image-pixels": (self.max_image_pixels, 1),
         }
         for flag, (value, low) in at_least.items():
             if value < low:

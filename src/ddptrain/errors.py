@@ -1,11 +1,43 @@
 """The one error type users see, and how every entry point reports it."""
 
+import errno
+import shutil
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 
 class UserError(ValueError):
     """A mistake the user can fix: one line naming the path or flag, never a traceback."""
+
+
+class WriteFailed(UserError, OSError):
+    """A file ddptrain writes could not be written (a full disk, a quota, an I/O error): the
+    user's to fix, so one line; still an OSError for code that handles those."""
+
+
+def write_failed(path, err: OSError, needed: int | None = None, hint: str = "") -> WriteFailed:
+    """The one line for a failed write of `path`: what the system said and, for a full disk or
+    whenever the size is known, the bytes the file needs against those free there."""
+    line = f"cannot write {path}: {err.strerror or first_line(err)}"
+    if needed is not None or err.errno in (errno.ENOSPC, errno.EDQUOT):
+        line += _room(Path(path).parent, needed)
+    return WriteFailed(f"{line}; {hint}" if hint else line)
+
+
+def _room(directory: Path, needed: int | None) -> str:
+    try:
+        free = f"{directory} has {format_bytes(shutil.disk_usage(directory).free)} free"
+    except OSError:
+        free = f"the free space in {directory} is unknown"
+    return f" (it needs {format_bytes(needed)}, {free})" if needed is not None else f" ({free})"
+
+
+def format_bytes(count: float) -> str:
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    while count >= 1024 and len(units) > 1:
+        count, units = count / 1024, units[1:]
+    return f"{count:.0f} B" if units[0] == "B" else f"{count:.1f} {units[0]}"
 
 
 class Stopped(Exception):

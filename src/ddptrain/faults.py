@@ -13,19 +13,25 @@ Inert unless the DDPTRAIN_TEST_* environment variables are set; nothing else rea
 - DDPTRAIN_TEST_STALL_RANK=N hangs rank N forever before its first step, as a wedged process.
 - DDPTRAIN_TEST_NAN=RANK:STEP makes global rank RANK's batch NaN at global step STEP, as a
   blow-up on one rank.
+- DDPTRAIN_TEST_ENOSPC=GLOB makes every write of a file whose name matches GLOB (fnmatch, e.g.
+  `checkpoint-000000006.pt`, `config.json`, `metrics.jsonl`, `*.png`) fail as on a full disk,
+  once its bytes are written and before they are committed.
 """
 
+import errno
+import fnmatch
 import os
 import signal
 import time
 from pathlib import Path
 
-KILL, ONCE, SIGNAL, STALL, NAN = (
+KILL, ONCE, SIGNAL, STALL, NAN, ENOSPC = (
     "DDPTRAIN_TEST_KILL",
     "DDPTRAIN_TEST_KILL_ONCE",
     "DDPTRAIN_TEST_SIGNAL",
     "DDPTRAIN_TEST_STALL_RANK",
     "DDPTRAIN_TEST_NAN",
+    "DDPTRAIN_TEST_ENOSPC",
 )
 POINTS = ("data", "backward", "between", "before_rename", "after_rename")
 
@@ -70,3 +76,10 @@ def maybe_stall(rank: int) -> None:
     if os.environ.get(STALL) == str(rank):
         while True:
             time.sleep(3600)
+
+
+def disk_full(path: os.PathLike | str) -> None:
+    """Raises what a full disk raises when DDPTRAIN_TEST_ENOSPC matches the name of path."""
+    pattern = os.environ.get(ENOSPC)
+    if pattern and fnmatch.fnmatchcase(Path(path).name, pattern):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

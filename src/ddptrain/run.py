@@ -19,6 +19,7 @@ import torch
 
 from ddptrain.config import Config
 from ddptrain.config_layers import resumed
+from ddptrain.data.check import images_to_leave_out
 from ddptrain.data.loaders import Data, build_data
 from ddptrain.data.synth import ensure_builtin
 from ddptrain.dist.collectives import agree, check_same, from_rank0
@@ -36,7 +37,17 @@ from ddptrain.state.checkpointer import (
     check_fits,
     training_parts,
 )
-from ddptrain.state.files import LATEST, load, numbered, remove_stale_temp_files, resolve
+from ddptrain.state.data_facts import check_same_data
+from ddptrain.state.files import (
+    LATEST,
+    checkpoint_bytes,
+    load,
+    numbered,
+    remove_stale_temp_files,
+    resolve,
+    warn_if_no_room,
+)
+from ddptrain.state.lock import lock_out_dir, unlock_out_dir
 from ddptrain.train import trainer
 from ddptrain.train.ema import build_ema
 from ddptrain.train.loss import build_criterion
@@ -51,19 +62,23 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
     try:
         return _train(config, env)
     finally:
+        unlock_out_dir()  # taken in _train
         teardown_distributed()
 
 
 def _train(config: Config, env: DistEnv) -> TrainState:
     config.check_batch_divides(env.world_size)
     out_dir = Path(config.out_dir)
+    if not config.evaluate:  # one run per out-dir, before anything reads or writes it
+        agree(env, lambda: lock_out_dir(out_dir) if env.is_main else None)
     seed = from_rank0(env, lambda: _data_seed(config))
     resume = from_rank0(env, lambda: resolve(config.resume, out_dir))
     if config.seed is not None:
         _seed_everything(config.seed, env)
 
+    leave_out = images_to_leave_out(config, env)  # --verify-images, --bad-images skip
     config, loaders, model, precision, saved, seed, reporter = agree(
-        env, lambda: _prepare(config, env, out_dir, seed, resume)
+        env, lambda: _prepare(config, env, out_dir, seed, resume, leave_out)
     )
     train_samples = loaders.train_sampler.num_samples if loaders.train_sampler else 0
     position = TrainState.from_checkpoint(saved or {"epoch": config.start_epoch})
@@ -75,6 +90,7 @@ def _train(config: Config, env: DistEnv) -> TrainState:
             "classes": loaders.class_to_idx,
             "resumed position": (position.epoch, position.epoch_step, position.global_step),
             "data seed": seed,
+            "data files": loaders.facts,
         },
     )
 
@@ -95,6 +111,8 @@ def _train(config: Config, env: DistEnv) -> TrainState:
     )
     steps_per_epoch = loaders.train_sampler.steps if loaders.train_sampler else 1
     optimizer, scheduler = build_optimizer(model, config, steps_per_epoch)
+    if env.is_main and not config.evaluate:  # before the first save, while a warning helps
+        warn_if_no_room(out_dir, checkpoint_bytes(unwrap(model), optimizer), config.keep_last)
     ema = build_ema(unwrap(model), config, steps_per_epoch)
     summary = _summary(config, env, loaders, precision, parameters, steps_per_epoch, resume)
     meta, record = _records(config, env, loaders, precision, seed, summary)
@@ -190,6 +208,7 @@ def _records(config: Config, env: DistEnv, loaders: Data, precision, seed: int, 
         "class_to_idx": loaders.class_to_idx,
         "config": settings,
         "data_seed": seed,  # a resumed run continues the same data order
+        "data_facts": loaders.facts,  # and must resume on the same data (check_same_data)
     }
     runtime = {
         "world_size": env.world_size,
@@ -216,7 +235,14 @@ def _seed_everything(seed: int, env: DistEnv) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Path | None):
+def _prepare(
+    config: Config,
+    env: DistEnv,
+    out_dir: Path,
+    seed: int,
+    resume: Path | None,
+    leave_out: frozenset[str],
+):
     """Everything that may fail on some ranks only. No collectives in here."""
     if env.is_main:
         _check_out_dir(out_dir, resume, config.evaluate, config.resume == "auto")
@@ -229,11 +255,13 @@ def _prepare(config: Config, env: DistEnv, out_dir: Path, seed: int, resume: Pat
         config.check_batch_divides(env.world_size)
     if config.tensorboard:
         require_tensorboard()  # on every rank, so that every rank stops when it is missing
-    loaders = build_data(config, env, _data_root(config, env), seed)
+    loaders = build_data(config, env, _data_root(config, env), seed, leave_out)
     model = build_model(config.arch, loaders.num_classes, config.image_size, config.pretrained)
     if saved is not None:
         check_compatible(saved, resume, config.arch, loaders.class_to_idx)
         check_fits(saved, resume, model)
+        if not config.evaluate:  # evaluating on other data is fine
+            check_same_data(saved, loaders.facts, resume)
     precision = resolve_precision(config, None, model, env.device)
     done = TrainState.from_checkpoint(saved or {"epoch": config.start_epoch})
     reporter = Reporter(env, out_dir, config.progress, config.tensorboard, done.global_step)

@@ -1,10 +1,14 @@
 """Runs the real ddptrain CLI in subprocesses, under each launcher, with a deadline."""
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -115,6 +119,43 @@ def tcp_pair(*args, timeout=DEADLINE) -> list[subprocess.CompletedProcess]:
         for p in procs:
             p.kill()
     return done
+
+
+def kill_tree(pid: int, timeout: float = 60) -> None:
+    """SIGKILLs pid and every process below it, and waits until they are dead. A kill of
+    torchrun's process group is not enough: torchrun starts each worker in a session of its
+    own. Reads Linux's /proc."""
+    victims = [pid, *_descendants(pid)]
+    for victim in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while any(_alive(victim) for victim in victims):
+        assert time.monotonic() < deadline, "killed processes still alive"
+        time.sleep(0.1)
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Not yet dead: a zombie has exited (and released its files and locks)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def _run(cmd, timeout, env=None) -> subprocess.CompletedProcess:

@@ -6,7 +6,6 @@ DDPTRAIN_TEST_KILL=POINT:RANK:STEP (see ddptrain/faults.py); a marker file makes
 so the run torchrun restarts goes through.
 """
 
-import os
 import signal
 import subprocess
 import time
@@ -17,6 +16,7 @@ from cli import (
     assert_same_training,
     ddptrain,
     env_with,
+    kill_tree,
     ok,
     tiny_args,
     torchrun,
@@ -69,7 +69,8 @@ def test_a_rank_killed_under_torchrun_restarts_and_ends_bitwise_equal(
 def test_the_whole_job_killed_and_relaunched_ends_bitwise_equal(tiny_data, tmp_path, uninterrupted):
     out = tmp_path / "run"
     # Every process of the job dies at once, as when a node goes away, right after step 4's
-    # checkpoint is committed (stall rank 0 there so the kill lands in a known place).
+    # checkpoint is committed (stall rank 0 there so the kill lands in a known place). The
+    # workers too: a stopped rank 0 left alive would still hold the out-dir's lock.
     job = subprocess.Popen(
         torchrun_command(2, *args(tiny_data, out)),
         env=env_with(
@@ -84,8 +85,8 @@ def test_the_whole_job_killed_and_relaunched_ends_bitwise_equal(tiny_data, tmp_p
         while not (tmp_path / "marker").exists() and job.poll() is None:
             assert time.monotonic() < deadline, "the job never reached step 4"
             time.sleep(0.2)
-        os.killpg(job.pid, signal.SIGKILL)
     finally:
+        kill_tree(job.pid)
         job.wait(timeout=60)
     assert training_state(out)["global_step"] == 3  # checkpoint.pt was not yet moved on
     result = ok(torchrun(2, *args(tiny_data, out)))

@@ -6,7 +6,7 @@ normalised on the device (`Precision.inputs`), which moves a quarter of the byte
 the per-pixel float work off the loader's cores.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch.utils.data import DataLoader
@@ -14,6 +14,7 @@ from torchvision import datasets
 from torchvision.transforms import v2
 
 from ddptrain.config import Config
+from ddptrain.data import folder
 from ddptrain.data.folder import check_same_classes, image_folder
 from ddptrain.data.sampler import EvalShard, GlobalBatchSampler, SeededSamples
 from ddptrain.data.transforms import build_train_transform, build_val_transform
@@ -30,13 +31,16 @@ class Data:
     val_loader: DataLoader
     num_val: int
     class_to_idx: dict[str, int]
+    # Per split: {"images": count, "digest": of the file list, None for --dummy}. Checkpoints
+    # record it, so resuming on other data is refused (state/data_facts.py).
+    facts: dict = field(default_factory=dict)
 
     @property
     def num_classes(self) -> int:
         return len(self.class_to_idx)
 
 
-def _datasets(config: Config, data_root: Path | None):
+def _datasets(config: Config, data_root: Path | None, leave_out: frozenset[str]):
     train_transform, val_transform = build_train_transform(config), build_val_transform(config)
     if config.dummy:
         size = config.image_size
@@ -54,30 +58,48 @@ def _datasets(config: Config, data_root: Path | None):
             random_offset=1,
         )
         return train, val, {str(i): i for i in range(DUMMY_CLASSES)}
-    val = image_folder(data_root / "val", val_transform)
+    val = image_folder(data_root / "val", val_transform, config.max_image_pixels)
+    folder.leave_out(val, "val", leave_out)
     if config.evaluate:
         return None, val, val.class_to_idx
-    train = image_folder(data_root / "train", train_transform)
+    train = image_folder(data_root / "train", train_transform, config.max_image_pixels)
+    folder.leave_out(train, "train", leave_out)
     check_same_classes(train, val)
     return train, val, train.class_to_idx
 
 
-def build_data(config: Config, env: DistEnv, data_root: Path | None, seed: int) -> Data:
-    """Loaders for this rank. `seed` orders and augments the data; equal on every rank."""
+def build_data(
+    config: Config,
+    env: DistEnv,
+    data_root: Path | None,
+    seed: int,
+    leave_out: frozenset[str] = frozenset(),
+) -> Data:
+    """Loaders for this rank. `seed` orders and augments the data; equal on every rank.
+    `leave_out`: files (relative to data_root) that --bad-images skip leaves out, the same on
+    every rank (data/check.py)."""
     per_rank = config.batch_size // env.world_size
-    train, val, class_to_idx = _datasets(config, data_root)
+    train, val, class_to_idx = _datasets(config, data_root, leave_out)
     common = dict(
         num_workers=config.workers,
         pin_memory=env.device.type == "cuda",
         persistent_workers=config.workers > 0,
     )
     val_loader = DataLoader(EvalShard(val, env.rank, env.world_size), per_rank, **common)
+    facts = {"val": _facts(val)}
     if train is None:
-        return Data(None, None, val_loader, len(val), class_to_idx)
+        return Data(None, None, val_loader, len(val), class_to_idx, facts)
     if len(train) < config.batch_size:
         raise UserError(
             f"--batch-size {config.batch_size} is larger than the {len(train)} training images"
         )
     sampler = GlobalBatchSampler(len(train), config.batch_size, env.rank, env.world_size, seed)
     train_loader = DataLoader(SeededSamples(train), per_rank, sampler=sampler, **common)
-    return Data(train_loader, sampler, val_loader, len(val), class_to_idx)
+    facts["train"] = _facts(train)
+    return Data(train_loader, sampler, val_loader, len(val), class_to_idx, facts)
+
+
+def _facts(dataset) -> dict:
+    if isinstance(dataset, folder.ImageFolder):
+        return folder.facts(dataset)
+    return {"images": len(dataset), "digest": None}  # --dummy: no files

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from ddptrain.errors import UserError
+from ddptrain import faults
+from ddptrain.errors import UserError, WriteFailed, write_failed
 
 VERSION = 4  # bump when the images change, so stale caches are not reused
 CANVAS = 128  # shapes are drawn large, then rotated and shrunk: smooth edges at any size
@@ -179,10 +180,21 @@ def render(mask: Image.Image, size: int, rng: random.Random) -> Image.Image:
 
 
 def write(spec: SynthSpec, out: str | os.PathLike, progress: bool = False) -> Path:
-    """Writes the dataset to out (which must not hold files yet), atomically: temp dir, rename."""
+    """Writes the dataset to out (which must not hold files yet), atomically: temp dir, rename.
+    A failed write (a full disk) leaves nothing behind and raises WriteFailed naming out."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"synth: {out} already exists and is not an empty directory")
+    try:
+        _write_tree(spec, out, progress)
+    except WriteFailed:
+        raise
+    except OSError as err:
+        raise write_failed(out, err) from None
+    return out
+
+
+def _write_tree(spec: SynthSpec, out: Path, progress: bool) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -195,6 +207,7 @@ def write(spec: SynthSpec, out: str | os.PathLike, progress: bool = False) -> Pa
                 for i in range(count):
                     rng = random.Random(f"{VERSION}/{spec.seed}/{split}/{shape}/{i}")
                     render(mask, spec.size, rng).save(folder / f"{i:05d}.png")
+                    faults.disk_full(folder / f"{i:05d}.png")
             if progress:
                 print(f"synth: class {k + 1}/{spec.classes} ({shape}) written", flush=True)
         if out.exists():
@@ -202,7 +215,6 @@ def write(spec: SynthSpec, out: str | os.PathLike, progress: bool = False) -> Pa
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def cache_dir() -> Path:
@@ -233,9 +245,10 @@ def ensure_builtin(spec: SynthSpec = SynthSpec(), log: bool = True) -> Path:
                         flush=True,
                     )
                 write(spec, root)
-    except OSError as err:
-        raise UserError(
-            f"cannot write the built-in dataset into {root.parent} ({err.strerror}); "
-            "set XDG_CACHE_HOME to a writable directory, or give DATA"
+    except OSError as err:  # WriteFailed included: it already names root and the free space
+        problem = str(err) if isinstance(err, WriteFailed) else write_failed(root.parent, err)
+        raise WriteFailed(
+            f"the built-in dataset: {problem}; set XDG_CACHE_HOME to a writable directory "
+            "with room, or give DATA"
         ) from None
     return root

@@ -63,6 +63,15 @@ def from_rank0(env: DistEnv, decide: Callable[[], object]) -> object:
     return box[0]
 
 
+def gather_from_all(env: DistEnv, value: object) -> list:
+    """Every rank's value (small and picklable), on every rank, in rank order."""
+    if not env.distributed:
+        return [value]
+    values = [None] * env.world_size
+    dist.all_gather_object(values, value)
+    return values
+
+
 def check_same(env: DistEnv, facts: dict) -> None:
     """Every rank must hold rank 0's facts (data sizes, classes, resumed epoch): ranks that read
     different copies of the data or of a checkpoint would run different numbers of steps."""

@@ -1,12 +1,16 @@
 """Accuracy counts, exact sums over ranks, and the metrics.jsonl writer."""
 
+import errno
 import json
+import os
 from pathlib import Path
 
 import torch
 
+from ddptrain import faults
 from ddptrain.dist.collectives import all_sum
 from ddptrain.dist.env import DistEnv
+from ddptrain.errors import write_failed
 from ddptrain.state.files import atomic_write
 
 
@@ -76,9 +80,25 @@ class MetricsLog:
         self.path, self.enabled = out_dir / "metrics.jsonl", enabled
 
     def write(self, record: dict) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        """Appends record; a failed write (a full disk) takes back the part of it that was
+        written, so the records before stay whole, and raises WriteFailed naming the file."""
+        if not self.enabled:
+            return
+        line = (json.dumps(record) + "\n").encode()
+        try:
+            # Unbuffered: a failed write leaves no bytes behind to be flushed after truncating.
+            with open(self.path, "ab", buffering=0) as f:
+                end = f.tell()
+                try:
+                    written = f.write(line)
+                    faults.disk_full(self.path)
+                    if written != len(line):  # a file takes fewer bytes only on a full disk
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                except OSError:
+                    f.truncate(end)
+                    raise
+        except OSError as err:
+            raise write_failed(self.path, err, needed=len(line)) from None
 
     def step(self, values: dict, global_step: int) -> None:
         """Print steps are not recorded here (TensorBoard has them)."""

@@ -5,10 +5,12 @@ the oldest beyond --keep-last. `model_best.pt` is a separate copy. What a checkp
 Checkpointer's business (state/checkpointer.py).
 """
 
+import contextlib
 import io
 import os
 import pickle
 import re
+import shutil
 import sys
 import tempfile
 import zipfile
@@ -16,9 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ddptrain import faults
-from ddptrain.errors import UserError, first_line
+from ddptrain.errors import UserError, WriteFailed, first_line, format_bytes, write_failed
 
 LATEST, BEST = "checkpoint.pt", "model_best.pt"
 NUMBERED = re.compile(r"checkpoint-(\d+)\.pt")
@@ -31,21 +34,29 @@ def _umask() -> int:
 
 
 def atomic_write(path: Path, data: bytes, before_rename: Callable[[], None] | None = None) -> None:
-    """Readers see the old file or the new one, never a torn one, even after a crash."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Readers see the old file or the new one, never a torn one, even after a crash. A write
+    that fails (a full disk, an I/O error) removes its temp file and raises WriteFailed, one
+    line naming path, the bytes it needs and the free space there."""
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp's 0600 would hide it from others
             f.write(data)
+            faults.disk_full(path)
             f.flush()
             os.fsync(f.fileno())
         if before_rename is not None:
             before_rename()
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        _fsync_dir(path.parent)
+    except BaseException as err:
+        if tmp is not None:
+            with contextlib.suppress(OSError):  # a failing disk may refuse this too
+                Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and not isinstance(err, WriteFailed):
+            raise write_failed(path, err, needed=len(data)) from None
         raise
-    _fsync_dir(path.parent)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -66,8 +77,13 @@ def _link_latest(numbered: Path, latest: Path) -> None:
     except OSError:
         atomic_write(latest, numbered.read_bytes())
         return
-    os.replace(tmp, latest)
-    _fsync_dir(latest.parent)
+    try:
+        os.replace(tmp, latest)
+        _fsync_dir(latest.parent)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise write_failed(latest, err) from None
 
 
 def numbered(out_dir: Path) -> list[Path]:
@@ -79,25 +95,82 @@ def numbered(out_dir: Path) -> list[Path]:
 def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None:
     """Commits checkpoint-<step>.pt, points checkpoint.pt at it, writes model_best.pt when
     is_best, then deletes numbered checkpoints beyond the newest keep_last. A crash at any point
-    leaves the previous checkpoint in place. Call on the main rank only."""
+    leaves the previous checkpoint in place, and so does a failed write, which raises
+    WriteFailed. Call on the main rank only."""
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
     data = buffer.getvalue()
     step = checkpoint["global_step"]
     path = out_dir / f"checkpoint-{step:09d}.pt"
-    atomic_write(path, data, before_rename=lambda: faults.kill_point("before_rename", step))
-    faults.kill_point("after_rename", step)
-    _link_latest(path, out_dir / LATEST)
-    if is_best:
-        atomic_write(out_dir / BEST, data)
+    try:
+        atomic_write(path, data, before_rename=lambda: faults.kill_point("before_rename", step))
+        faults.kill_point("after_rename", step)
+        _link_latest(path, out_dir / LATEST)
+        if is_best:
+            atomic_write(out_dir / BEST, data)
+    except WriteFailed as err:
+        raise WriteFailed(
+            f"{err}; the checkpoints written before it are intact: make room, then continue "
+            "with --resume auto"
+        ) from None
     for old in numbered(out_dir)[keep_last:]:
         old.unlink(missing_ok=True)
 
 
+# Temp files of every write into the out-dir (atomic_write's `.NAME.*.tmp`, _link_latest's
+# `.checkpoint.pt.PID.link`); the out-dir may be a user's working directory, so only these names.
+STALE_TEMP_FILES = (".checkpoint*", f".{BEST}.*.tmp", ".config.json.*.tmp", ".metrics.jsonl.*.tmp")
+
+
 def remove_stale_temp_files(out_dir: Path) -> None:
     """Temp files of writes that a crash interrupted before their rename: never checkpoints."""
-    for tmp in out_dir.glob(".checkpoint*"):
-        tmp.unlink(missing_ok=True)
+    for pattern in STALE_TEMP_FILES:
+        for tmp in out_dir.glob(pattern):
+            tmp.unlink(missing_ok=True)
+
+
+# A save holds, at its peak, the kept numbered checkpoints, the one being written, and (when val
+# accuracy improved) model_best.pt next to the copy replacing it.
+PEAK_EXTRA_CHECKPOINTS = 3
+
+
+def checkpoint_bytes(model: nn.Module, optimizer) -> int:
+    """An estimate of one checkpoint's size: weights and buffers, plus the optimizer's state per
+    parameter (SGD with momentum keeps one buffer of each parameter's size, Adam two)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    if isinstance(optimizer, torch.optim.SGD):
+        per_param = int(any(group.get("momentum", 0) for group in optimizer.param_groups))
+    else:
+        per_param = 2  # Adam's two moments; no common optimizer keeps more
+    return params * (1 + per_param) + buffers
+
+
+def warn_if_no_room(out_dir: Path, checkpoint_bytes: int, keep_last: int) -> bool:
+    """Warns, one line on stderr, when out_dir lacks the room for the checkpoints this run keeps
+    (keep_last, plus those a save holds at its peak). Checkpoints already there count as room:
+    they are replaced. Returns whether it warned. Call on the main rank, before the first save."""
+    needed = (keep_last + PEAK_EXTRA_CHECKPOINTS) * checkpoint_bytes
+    try:
+        free = shutil.disk_usage(out_dir).free
+    except OSError:
+        return False  # the save will say what is wrong
+    inodes = {}
+    for path in [*numbered(out_dir), out_dir / LATEST, out_dir / BEST]:
+        with contextlib.suppress(OSError):
+            info = path.stat()
+            inodes[(info.st_dev, info.st_ino)] = info.st_size  # checkpoint.pt is a hard link
+    if free + sum(inodes.values()) >= needed:
+        return False
+    print(
+        f"warning: --out-dir {out_dir} has {format_bytes(free)} free, and this run's checkpoints "
+        f"need up to {format_bytes(needed)} (--keep-last {keep_last}, and "
+        f"{PEAK_EXTRA_CHECKPOINTS} more during a save, of about {format_bytes(checkpoint_bytes)} "
+        "each): saving may fail for lack of space",
+        file=sys.stderr,
+        flush=True,
+    )
+    return True
 
 
 def resolve(resume: str | None, out_dir: Path) -> Path | None:

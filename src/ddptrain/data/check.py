@@ -1,0 +1,149 @@
+"""Bad images: find every image of a data set that cannot be used, before training reaches it.
+
+`ddptrain check DATA` decodes every image of train/ and val/ once, with the decoder and the
+decompression-bomb limit training uses (folder.load_rgb), in DataLoader worker processes (-j),
+and lists each bad file with the reason.
+
+Before training, `--verify-images` (or `--bad-images skip`, which needs the list) runs the same
+check spread over the ranks: every rank decodes every world_size-th file of the sorted list,
+and the ranks gather what they found, so each holds the same sorted list of bad files; a rank
+whose check fails ends every rank (`agree`). With `--bad-images error` a bad file then stops
+every rank before the first step. With `skip`, every rank leaves the same files out of its
+sample lists before any sampler or loader exists (build_data): the train permutation is one of
+the good images, the val shards cover each good image once, and nothing downstream knows the
+others existed. So the world-size invariance, exact evaluation (val `samples` is the number of
+good val images) and bitwise resume hold as for a data set that never had them. A resumed run
+checks again and must find the same files: the checkpoint's data facts (count and digest of
+the good files) refuse it otherwise. Paths are relative to DATA, so nodes that mount it at
+different places agree.
+"""
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from ddptrain.config import Config
+from ddptrain.data.folder import image_folder, image_problem, relative_paths
+from ddptrain.dist.collectives import agree, check_same, gather_from_all
+from ddptrain.dist.env import DistEnv
+from ddptrain.errors import UserError, first_line
+
+SPLITS = ("train", "val")
+CHUNK = 16  # images a worker decodes per message: keeps the pipe's overhead below a decode
+
+
+def list_images(root: Path, splits=SPLITS) -> list[str]:
+    """The image files of root's splits as `split/class/file`, in ImageFolder's sorted order."""
+    files = []
+    for split in splits:
+        files += [f"{split}/{name}" for name in relative_paths(image_folder(root / split, None))]
+    return files
+
+
+class _Problems(Dataset):
+    """Why each file is bad, or None: decoding happens in the DataLoader's workers."""
+
+    def __init__(self, root: Path, files: list[str], max_pixels: int):
+        self.root, self.files, self.max_pixels = root, files, max_pixels
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> str | None:
+        try:
+            return image_problem(str(self.root / self.files[index]), self.max_pixels)
+        except Exception as err:  # a checker reports every file's failure, whatever it is
+            return f"{type(err).__name__}: {first_line(err)}"
+
+
+def find_bad(
+    root: Path, files: list[str], workers: int, max_pixels: int, progress: bool
+) -> list[tuple[str, str]]:
+    """(file, reason) for each of files (relative to root) that cannot be used, in order.
+    `progress`: a bar on stderr, when it is a terminal."""
+    loader = DataLoader(
+        _Problems(root, files, max_pixels), batch_size=CHUNK, num_workers=workers, collate_fn=list
+    )
+    bad = []
+    with tqdm(
+        total=len(files), desc="checking images", unit="img", disable=None if progress else True
+    ) as bar:
+        for start, problems in zip(range(0, len(files), CHUNK), loader, strict=True):
+            bad += [(files[start + i], p) for i, p in enumerate(problems) if p is not None]
+            bar.update(len(problems))
+    return bad
+
+
+def check_command(data: str, workers: int | None, max_image_pixels: int) -> None:
+    """`ddptrain check DATA`: lists every bad image; a UserError (exit 2) when there is one."""
+    root = Path(data)
+    if workers is not None and workers < 0:
+        raise UserError(f"-j/--workers must be at least 0, got {workers}")
+    if max_image_pixels < 1:
+        raise UserError(f"--max-image-pixels must be at least 1, got {max_image_pixels}")
+    if not root.is_dir():
+        raise UserError(f"DATA: {root} is not a directory (expected train/ and val/)")
+    splits = [split for split in SPLITS if (root / split).is_dir()]
+    if not splits:
+        raise UserError(f"DATA: {root} holds neither train/ nor val/")
+    files = list_images(root, splits)
+    workers = len(os.sched_getaffinity(0)) if workers is None else workers
+    bad = find_bad(root, files, workers, max_image_pixels, progress=True)
+    for path, reason in bad:
+        print(f"{root / path}: {reason}", flush=True)
+    if bad:
+        raise UserError(
+            f"{len(bad)} of {len(files)} images in {root} are bad ({_per_split(bad, files)}), "
+            "listed above: fix or remove them, or train with --bad-images skip"
+        )
+    print(f"all {len(files)} images in {root} decode ({_per_split(None, files)})")
+
+
+def images_to_leave_out(config: Config, env: DistEnv) -> frozenset[str]:
+    """For --verify-images and --bad-images skip: the bad files of DATA (relative to it) that
+    skip leaves out, the same on every rank; with error, a bad file stops every rank. Nothing
+    to do for the built-in data set and --dummy. A collective: every rank calls it."""
+    wanted = config.verify_images or config.bad_images == "skip"
+    if not wanted or config.data is None or config.dummy:
+        return frozenset()
+    root = Path(config.data)
+    files = agree(env, lambda: list_images(root, ("val",) if config.evaluate else SPLITS))
+    listed = hashlib.sha256("\n".join(files).encode()).hexdigest()
+    check_same(env, {"image files": listed})  # else the ranks' shares would not cover them
+    share = files[env.rank :: env.world_size]
+    found = agree(
+        env,
+        lambda: find_bad(root, share, config.workers, config.max_image_pixels, env.is_main),
+    )
+    bad = sorted(item for part in gather_from_all(env, found) for item in part)
+    skip = config.bad_images == "skip"
+    if env.is_main:
+        for path, reason in bad:
+            what = "warning: --bad-images skip: leaving out" if skip else "bad image"
+            print(f"{what} {root / path}: {reason}", file=sys.stderr, flush=True)
+    if bad and not skip:
+        raise UserError(
+            f"--verify-images: {len(bad)} of {len(files)} images in {root} are bad "
+            f"({_per_split(bad, files)}), listed above: fix or remove them, or pass "
+            "--bad-images skip to train without them"
+        )
+    if env.is_main:
+        verdict = f"{len(bad)} bad images left out" if bad else "no bad image"
+        print(f"checked {len(files)} images: {verdict} ({_per_split(bad, files)})", flush=True)
+    return frozenset(path for path, _ in bad)
+
+
+def _per_split(bad: list[tuple[str, str]] | None, files: list[str]) -> str:
+    """`1 of 24 train, 0 of 15 val` (bad of all, per split), or `24 train, 15 val` without bad."""
+    counts = []
+    for split in SPLITS:
+        total = sum(f.startswith(f"{split}/") for f in files)
+        if total and bad is None:
+            counts.append(f"{total} {split}")
+        elif total:
+            counts.append(f"{sum(p.startswith(f'{split}/') for p, _ in bad)} of {total} {split}")
+    return ", ".join(counts)
