@@ -93,7 +93,7 @@ def resolve_precision(
     channels_last = config.channels_last
     if config.strategy == "fsdp":
         # FSDP2 shards contiguous parameters only; a resumed ddp run's layout gives way.
-        if channels_last:
+        if channels_last and "channels_last" in config.given:
             raise UserError("--channels-last is not supported with --strategy fsdp")
         channels_last, saved = False, {**saved, "compile": False}
     if channels_last is None:
