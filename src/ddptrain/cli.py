@@ -162,11 +162,38 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--val-per-class", type=int, default=s.val_per_class)
     synth.add_argument("--size", type=int, default=s.size, help="image side in px")
     synth.add_argument("--seed", type=int, default=s.seed)
+    _add_plan_flags(commands.add_parser("plan", help="per-rank memory of a run, ddp against fsdp"))
     return top
 
 
+def _add_plan_flags(p: argparse.ArgumentParser) -> None:
+    d = Config()
+    p.add_argument("-a", "--arch", required=True, help="torchvision model name")
+    p.add_argument("--world-size", type=int, default=1, help="ranks of the run (default: 1)")
+    p.add_argument(
+        "-b",
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help=f"GLOBAL batch size, summed over all ranks (default: {d.batch_size})",
+    )
+    p.add_argument("--image-size", type=int, default=224, help="train crop in px (default: 224)")
+    p.add_argument("--amp", default="none", help="none, bf16 or fp16 (default: none)")
+    p.add_argument(
+        "--num-classes", type=int, default=1000, help="classes of the head (default: 1000)"
+    )
+    p.add_argument(
+        "--device-memory",
+        type=float,
+        metavar="GiB",
+        help="memory of one device (default: this machine's CUDA device, if any)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object keyed ddp and fsdp")
+
+
 def parse(argv: list[str] | None = None) -> tuple[str, object]:
-    """Returns ("train", Config) for train and eval, ("synth", (SynthSpec, OUT)) for synth."""
+    """Returns ("train", Config) for train and eval, ("synth", (SynthSpec, OUT)) for synth,
+    ("plan", PlanRequest) for plan."""
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     launcher_local_rank = args.pop("launcher_local_rank")
@@ -174,6 +201,10 @@ def parse(argv: list[str] | None = None) -> tuple[str, object]:
         out = args.pop("out")
         spec = SynthSpec(**{k: v for k, v in args.items()})
         return command, (spec, out)
+    if command == "plan":
+        from ddptrain.tools.plan import PlanRequest
+
+        return command, PlanRequest(**args)
     if args["local_rank"] is None:
         args["local_rank"] = launcher_local_rank
     if command == "eval":
@@ -189,6 +220,11 @@ def _run(argv: list[str] | None) -> None:
         spec, out = options
         write(spec, out, progress=True)
         print(f"wrote {spec.describe()} to {out}")
+        return
+    if command == "plan":
+        from ddptrain.tools.plan import run as plan
+
+        plan(options)
         return
     if options.multiprocessing_distributed:
         from ddptrain.dist.launch import spawn
