@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from ddptrain.config import MAX_IMAGE_PIXELS, SECTIONS, flag_name, settings
+from ddptrain.config import MAX_IMAGE_PIXELS, SECTIONS, Config, flag_name, settings
 from ddptrain.config_layers import kinds, merge, read, recipes
 from ddptrain.data.synth import SynthSpec
 from ddptrain.errors import report_errors
@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_flags(
         commands.add_parser("export", help="a checkpoint's weights as .safetensors + .json")
     )
+    _add_plan_flags(commands.add_parser("plan", help="per-rank memory of a run, ddp against fsdp"))
     return top
 
 
@@ -131,10 +132,35 @@ def _add_export_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_plan_flags(p: argparse.ArgumentParser) -> None:
+    d = Config()
+    p.add_argument("-a", "--arch", required=True, help="torchvision model name")
+    p.add_argument("--world-size", type=int, default=1, help="ranks of the run (default: 1)")
+    p.add_argument(
+        "-b",
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help=f"GLOBAL batch size, summed over all ranks (default: {d.batch_size})",
+    )
+    p.add_argument("--image-size", type=int, default=224, help="train crop in px (default: 224)")
+    p.add_argument("--amp", default="none", help="none, bf16 or fp16 (default: none)")
+    p.add_argument(
+        "--num-classes", type=int, default=1000, help="classes of the head (default: 1000)"
+    )
+    p.add_argument(
+        "--device-memory",
+        type=float,
+        metavar="GiB",
+        help="memory of one device (default: this machine's CUDA device, if any)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object keyed ddp and fsdp")
+
+
 def parse(argv: list[str] | None = None) -> tuple[str, object]:
     """Returns ("train", Config) for train and eval, ("synth", (SynthSpec, OUT)) for synth,
-    ("plot", (RUN_DIRs, out or None)), ("export", (CKPT, out)) and ("check", {"data", "workers",
-    "max_image_pixels"})."""
+    ("plot", (RUN_DIRs, out or None)), ("export", (CKPT, out)), ("check", {"data", "workers",
+    "max_image_pixels"}) and ("plan", PlanRequest)."""
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     launcher_local_rank = args.pop("launcher_local_rank")
@@ -148,6 +174,10 @@ def parse(argv: list[str] | None = None) -> tuple[str, object]:
         out = args.pop("out")
         spec = SynthSpec(**{k: v for k, v in args.items()})
         return command, (spec, out)
+    if command == "plan":
+        from ddptrain.tools.plan import PlanRequest
+
+        return command, PlanRequest(**args)
     given = args.get("pretrained")
     if isinstance(given, str) and given and "data" not in args and Path(given).is_dir():
         # The classic example's `--pretrained DATA`: the flag took no value then, and a weights
@@ -189,6 +219,11 @@ def _run(argv: list[str] | None) -> None:
         print(
             f"wrote {out} and {sidecar_path(out)} ({model['arch']}, {model['num_classes']} classes)"
         )
+        return
+    if command == "plan":
+        from ddptrain.tools.plan import run as plan
+
+        plan(options)
         return
     if options.multiprocessing_distributed:
         from ddptrain.dist.launch import spawn

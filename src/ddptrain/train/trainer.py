@@ -101,7 +101,6 @@ class Step:
 
     def optimizer_step(self) -> None:
         self.precision.step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)  # frees the gradients until the next backward
 
     def schedule(self) -> None:
         """Schedules move per optimizer step (train/schedule.py), so warmup is smooth and a run
@@ -117,6 +116,11 @@ class Step:
             last = i == self.accum_steps - 1
             with contextlib.nullcontext() if last else no_gradient_sync(self.model):
                 loss, output = self.forward(micro_images, micro_target)
+                if i == 0:
+                    # The last step's gradients go just before the first backward, as the
+                    # classic loop does (what `ddptrain plan` traces); under DDP they are views
+                    # into its buckets, which live for the whole run anyway.
+                    self.optimizer.zero_grad(set_to_none=True)
                 self.backward(loss)
             losses.append(loss.detach())
             outputs.append(output)

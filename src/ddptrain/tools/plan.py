@@ -1,0 +1,277 @@
+"""`ddptrain plan`: what each rank of a run will hold under ddp and under fsdp, before it starts,
+and which strategy fits the device.
+
+The figures come from a real trace of one training step on fake tensors (`tools/trace.py`), run
+in a child process so that its fake process group never meets a real run. `plan_line` gives a
+starting run its own strategy's line, and on a device too small, the strategy or batch that fits.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import ddptrain
+from ddptrain.config import Config
+from ddptrain.errors import UserError
+
+STRATEGIES = ("ddp", "fsdp")
+GiB = 2**30
+# The share of a device's memory a plan lets the run take. Not traced: the CUDA context, cuDNN and
+# cuBLAS workspaces, NCCL's own buffers, and the caching allocator's rounding and fragmentation.
+USABLE = 0.9
+TRACE_TIMEOUT = 900  # seconds; resnet50 at 224 px takes about 5 here
+BATCH_SEARCH_TRACES = 4  # traces spent looking for the largest batch that fits
+# Launcher variables a child of a real rank must not see (it plans; it joins no job).
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
+LAUNCHER_ENV_PREFIXES = ("MASTER_", "TORCHELASTIC_", "TORCH_NCCL_")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """`ddptrain plan`'s flags, checked as `ddptrain train` checks the same ones."""
+
+    arch: str
+    world_size: int = 1
+    batch_size: int = 256  # global, as for train
+    image_size: int = 224
+    amp: str = "none"
+    num_classes: int = 1000
+    device_memory: float | None = None  # GiB; None: the CUDA device's, if there is one
+    json: bool = False
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise UserError(f"--world-size must be at least 1, got {self.world_size}")
+        if self.num_classes < 1:
+            raise UserError(f"--num-classes must be at least 1, got {self.num_classes}")
+        if self.device_memory is not None and self.device_memory <= 0:
+            raise UserError(f"--device-memory must be positive (GiB), got {self.device_memory}")
+        config = Config(
+            arch=self.arch, batch_size=self.batch_size, image_size=self.image_size, amp=self.amp
+        )
+        config.check_batch_divides(self.world_size)
+
+    @property
+    def per_rank_batch(self) -> int:
+        return self.batch_size // self.world_size
+
+
+def trace(
+    arch: str,
+    num_classes: int,
+    world_size: int,
+    per_rank_batch: int,
+    image_size: int,
+    amp: str,
+    strategies: tuple[str, ...] = STRATEGIES,
+) -> dict[str, dict]:
+    """Per-rank bytes of one training step under each strategy (see tools/trace.py), traced in a
+    child process."""
+    request = dict(
+        arch=arch, num_classes=num_classes, world_size=world_size, image_size=image_size,
+        per_rank_batch=per_rank_batch, amp=amp, strategies=list(strategies),
+    )  # fmt: skip
+    command = [sys.executable, "-m", "ddptrain.tools.trace", json.dumps(request)]
+    done = subprocess.run(
+        command, env=_child_env(), capture_output=True, text=True, timeout=TRACE_TIMEOUT
+    )
+    lines = done.stdout.strip().splitlines()
+    result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+    if "error" in result:
+        raise UserError(f"--arch {arch}: {result['error']}")
+    if done.returncode != 0 or not result:
+        raise RuntimeError(f"the memory trace failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return result
+
+
+def _child_env() -> dict[str, str]:
+    """This ddptrain first on the path; one thread (fake tensors compute nothing); no GPU and no
+    launcher variables, so the child cannot touch the devices or the job of a run it plans."""
+    root = str(Path(ddptrain.__file__).resolve().parents[1])
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in LAUNCHER_ENV and not k.startswith(LAUNCHER_ENV_PREFIXES)
+    }
+    path = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return {**env, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def cuda_memory() -> int | None:
+    """The bytes of this process's CUDA device, or None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def largest_batch(args: dict, strategy: str, usable: int, batch: int, figures: dict) -> int | None:
+    """The largest per-rank batch below `batch` whose peak fits `usable` bytes, or None when not
+    even 1 does. The peak grows almost linearly with the batch: a secant search from the traced
+    batch, each guess traced (at most BATCH_SEARCH_TRACES of them)."""
+    fixed = sum(figures[k] for k in ("params", "grads", "optimizer", "buffers"))
+    fixed += figures["all_gather_peak"] or 0
+    if (figures["bucket_rebuild"] or 0) > usable or fixed >= usable:
+        return None
+    fits, fails = 0, batch
+    known = (batch, figures["peak"])
+    slope = max(1.0, (figures["peak"] - fixed) / batch)
+    guess = int((usable - fixed) / slope)
+    for _ in range(BATCH_SEARCH_TRACES):
+        guess = min(max(guess, fits + 1), fails - 1)
+        if guess <= fits:
+            break
+        peak = trace(**args, per_rank_batch=guess, strategies=(strategy,))[strategy]["peak"]
+        if peak <= usable:
+            fits = guess
+        else:
+            fails = guess
+        slope = max(1.0, (known[1] - peak) / (known[0] - guess))
+        known = (guess, peak)
+        guess = guess + int((usable - peak) // slope)
+    return fits or None
+
+
+def plan(request: PlanRequest) -> dict[str, dict]:
+    """Both strategies' figures, each with whether it fits the device and, if not, the largest
+    global batch that would (None: not even 1 per rank)."""
+    args = dict(
+        arch=request.arch, num_classes=request.num_classes, world_size=request.world_size,
+        image_size=request.image_size, amp=request.amp,
+    )  # fmt: skip
+    result = trace(**args, per_rank_batch=request.per_rank_batch, strategies=STRATEGIES)
+    device = cuda_memory() if request.device_memory is None else int(request.device_memory * GiB)
+    for strategy, figures in result.items():
+        usable = None if device is None else int(device * USABLE)
+        fits = None if usable is None else figures["peak"] <= usable
+        figures.update(device_memory=device, usable_memory=usable, fits=fits, fitting_batch=None)
+        if fits is False:
+            per_rank = largest_batch(args, strategy, usable, request.per_rank_batch, figures)
+            figures["fitting_batch"] = per_rank and per_rank * request.world_size
+    return result
+
+
+def size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            value = n / scale
+            digits = 0 if value >= 100 else 1 if value >= 10 else 2  # three significant digits
+            return f"{value:.{digits}f} {unit}"
+    return f"{n} B"
+
+
+ROWS = (
+    ("parameters", "params"),
+    ("gradients", "grads"),
+    ("optimizer (momentum)", "optimizer"),
+    ("buffers", "buffers"),
+    ("activations", "activations"),
+    ("input batch", "inputs"),
+    ("communication buffers", "comm_buffers"),
+    ("all-gather peak", "all_gather_peak"),
+    ("DDP bucket rebuild", "bucket_rebuild"),
+    ("peak", "peak"),
+)
+
+
+def table(request: PlanRequest, result: dict[str, dict]) -> str:
+    r = request
+    lines = [
+        f"ddptrain plan: {r.arch} on {r.world_size} rank(s), global batch {r.batch_size} "
+        f"({r.per_rank_batch} per rank), {r.image_size} px, amp {r.amp}, {r.num_classes} classes",
+        f"  {'per rank':<30}{'ddp':>12}{'fsdp':>12}",
+    ]
+    for label, key in ROWS:
+        lines.append(f"  {label:<30}" + "".join(f"{size(result[s][key]):>12}" for s in STRATEGIES))
+    device = result["ddp"]["device_memory"]
+    if device is not None:
+        label = f"fits {size(device)} ({size(result['ddp']['usable_memory'])} usable)"
+        marks = ["yes" if result[s]["fits"] else "no" for s in STRATEGIES]
+        lines.append(f"  {label:<30}" + "".join(f"{m:>12}" for m in marks))
+    lines += [
+        "  ddp: its buckets hold the gradients themselves (gradient_as_bucket_view), so they add",
+        "    nothing, but in step 2 DDP rebuilds them and holds old and new at once (rebuild).",
+        "  fsdp: communication buffers are the all-gather and reduce-scatter buffers at their",
+        "    largest; all-gather peak, the gathered parameters held at once.",
+        "  Not traced: CUDA context, library workspaces, NCCL buffers, allocator fragmentation",
+        f"    ({100 - round(USABLE * 100)}% of the device is left for them).",
+        verdict(request, result),
+    ]
+    return "\n".join(lines)
+
+
+def verdict(request: PlanRequest, result: dict[str, dict]) -> str:
+    ddp, fsdp = result["ddp"], result["fsdp"]
+    if ddp["fits"] is None:
+        return "No device to compare with: --device-memory GiB says which strategy fits."
+    room = size(ddp["device_memory"])
+    if ddp["fits"] and fsdp["fits"]:
+        return (
+            f"Both fit {room}: ddp is the faster (no parameter all-gathers); fsdp leaves more "
+            "room for a larger batch."
+        )
+    if fsdp["fits"] or ddp["fits"]:
+        strategy = "fsdp" if fsdp["fits"] else "ddp"
+        return f"Only {strategy} fits {room}: train with --strategy {strategy}."
+
+    def batch(s: str) -> str:
+        b = result[s]["fitting_batch"]
+        return f"{s} fits -b {b}" if b else f"{s} not even at 1 image per rank"
+
+    return (
+        f"Neither fits {room} at -b {request.batch_size}: {batch('ddp')}, {batch('fsdp')}"
+        " (more ranks shard fsdp's model state further)."
+    )
+
+
+def run(request: PlanRequest) -> None:
+    result = plan(request)
+    print(json.dumps(result) if request.json else table(request, result), flush=True)
+
+
+def plan_line(
+    arch: str,
+    num_classes: int,
+    world_size: int,
+    per_rank_batch: int,
+    image_size: int,
+    amp: str,
+    strategy: str,
+    device_memory_bytes: int | None,
+) -> str:
+    """One line for a starting run's rank 0: its strategy's per-rank peak; given the device's
+    bytes (CUDA), whether it fits, and when not, the other strategy or the global batch that
+    would. A trace in a child process: seconds (about 5 for resnet50 at 224 px here), more when
+    it does not fit and alternatives are traced."""
+    args = dict(
+        arch=arch, num_classes=num_classes, world_size=world_size, image_size=image_size, amp=amp
+    )
+    figures = trace(**args, per_rank_batch=per_rank_batch, strategies=(strategy,))[strategy]
+    state = sum(figures[k] for k in ("params", "grads", "optimizer"))
+    line = (
+        f"plan: {strategy}, {per_rank_batch} per rank: peak {size(figures['peak'])} per rank "
+        f"(model state {size(state)}, activations {size(figures['activations'])})"
+    )
+    if device_memory_bytes is None:
+        return line
+    usable = int(device_memory_bytes * USABLE)
+    room = f"{size(device_memory_bytes)} ({size(usable)} usable)"
+    if figures["peak"] <= usable:
+        return f"{line}; fits {room}"
+    other = "fsdp" if strategy == "ddp" else "ddp"
+    other_peak = trace(**args, per_rank_batch=per_rank_batch, strategies=(other,))[other]["peak"]
+    if other_peak <= usable:
+        return f"{line}; will NOT fit {room}: --strategy {other} would (peak {size(other_peak)})"
+    fitting = largest_batch(args, strategy, usable, per_rank_batch, figures)
+    if fitting is None:
+        return (
+            f"{line}; will NOT fit {room}, not even at 1 image per rank: more ranks with "
+            "--strategy fsdp shard the model state further"
+        )
+    return f"{line}; will NOT fit {room}: -b {fitting * world_size} would ({fitting} per rank)"

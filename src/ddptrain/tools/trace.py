@@ -1,0 +1,244 @@
+"""One training step traced on fake tensors: what a rank holds under ddp and under fsdp, measured
+without allocating it, so models that do not fit this machine can be planned.
+
+    python -m ddptrain.tools.trace '{"arch": ..., "strategies": ["ddp", "fsdp"], ...}'
+
+prints one JSON object (bytes per rank, per strategy). It runs in a process of its own, started by
+`ddptrain.tools.plan`: the fake process group it initialises and its fake tensors must never meet
+a real run's process group or tensors.
+
+How each strategy is traced, as the trainer runs it (`train.trainer.Step`: forward, backward,
+optimizer step, zero_grad; SGD with momentum from `train.optim`):
+- ddp: the plain model under `MemTracker`. With two or more ranks the trainer wraps it in DDP with
+  gradient_as_bucket_view=True: DDP allocates buckets as large as all gradients when it is built,
+  and after each backward a gradient is copied into its bucket and becomes a view of it, so the
+  gradients live for the whole run. DDP's C++ reducer cannot run on fake tensors, so a hook does the
+  same here: one bucket per parameter, allocated up front, the gradient copied in. Once, in the
+  second step, DDP rebuilds its buckets in the order gradients arrived, holding old and new buckets
+  at once: `bucket_rebuild`, counted in the peak. One rank: the trainer does not wrap, gradients
+  are freed by zero_grad and made again in backward.
+- fsdp: `ddptrain.model.fsdp.shard` over a fake process group of world_size ranks (this process is
+  rank 0; FSDP2 pads every shard to the same size, so all ranks hold the same), under
+  `FSDPMemTracker`, which also sees the all-gather and reduce-scatter buffers.
+The traced step is the second one: momentum buffers exist and gradients of the previous step are
+still held during forward (zero_grad comes after it), as in every step after the first.
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torchvision
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from ddptrain.config import Config
+from ddptrain.errors import first_line
+from ddptrain.model.fsdp import shard
+from ddptrain.model.precision import DTYPES, Precision
+from ddptrain.train.optim import build_optimizer
+from ddptrain.train.trainer import Step
+
+STRATEGIES = ("ddp", "fsdp")
+# What a step of a model cannot do on fake tensors: read values (`.item()`, data-dependent shapes).
+UNTRACEABLE = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+)
+
+
+class ModelError(Exception):
+    """The model does not run at these settings: the user's to fix (reported in one line)."""
+
+
+def model_options(arch: str, image_size: int) -> dict:
+    """torchvision's ViTs fix their input size when built (224 unless told)."""
+    return {"image_size": image_size} if arch.startswith("vit_") else {}
+
+
+def _meta_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
+    """The model on the meta device: shapes, no data. A builder that computes with tensors (RegNet
+    derives its widths so) cannot run there: it builds on the CPU, and its weights are allocated
+    once, for as long as it takes to move them to meta."""
+    options = model_options(arch, image_size)
+    try:
+        with torch.device("meta"):
+            return torchvision.models.get_model(arch, num_classes=num_classes, **options)
+    except (NotImplementedError, RuntimeError):
+        model = torchvision.models.get_model(arch, num_classes=num_classes, **options)
+        return model.to("meta")
+
+
+def _fake_model(request: dict, strategy: str, fake_mode: FakeTensorMode) -> nn.Module:
+    """The model with fake parameters, sharded for fsdp.
+
+    Built on the meta device, so nothing is allocated or initialised; fsdp shards it there (its
+    device mesh is made of real tensors, which fake mode would refuse); `to_empty` then gives it
+    fake parameters. Contiguous layout: FSDP2 refuses channels_last parameters, and the layout
+    changes no tensor's size.
+    """
+    arch = request["arch"]
+    model = _meta_model(arch, request["num_classes"], request["image_size"])
+    if strategy == "fsdp":
+        shard(model, arch, DTYPES[request["amp"]])
+    fake_mode.allow_non_fake_inputs = True  # the meta parameters `to_empty` replaces
+    try:
+        with fake_mode:
+            model.to_empty(device="cpu")
+    finally:
+        fake_mode.allow_non_fake_inputs = False
+    return model.train()
+
+
+def _keep_gradients_in_buckets(model: nn.Module) -> list[torch.Tensor]:
+    """DDP's gradient_as_bucket_view, as a hook: each gradient copied into a bucket allocated up
+    front, then made a view of it. Returns the buckets (they must stay referenced)."""
+    buckets = []
+    for param in model.parameters():
+        bucket = torch.empty_like(param)
+        buckets.append(bucket)
+
+        def into_bucket(p: torch.Tensor, bucket: torch.Tensor = bucket) -> None:
+            bucket.copy_(p.grad)
+            p.grad = bucket
+
+        param.register_post_accumulate_grad_hook(into_bucket)
+    return buckets
+
+
+def _named(snapshot: dict) -> dict[str, int]:
+    """A tracker snapshot ({device: {category: bytes}}) as {category name: bytes}, devices
+    summed (the categories are enums whose hash is not their name's)."""
+    named: dict[str, int] = {}
+    for per_device in snapshot.values():
+        for category, size in per_device.items():
+            name = getattr(category, "value", category)
+            named[name] = named.get(name, 0) + size
+    return named
+
+
+def _all_snapshots(tracker: MemTracker) -> list[dict[str, int]]:
+    """Every snapshot the tracker took at module boundaries, and its peak."""
+    snaps = [
+        _named(snap)
+        for stats in tracker.memory_tracking.values()
+        for per_state in stats.snapshots.values()
+        for snap in per_state
+    ]
+    return [*snaps, _named(tracker.get_tracker_snapshot("peak"))]
+
+
+def _after_forward(model: nn.Module, tracker: MemTracker) -> dict[str, dict[str, int]]:
+    """Fills in the tracker's snapshot at the end of the model's forward (all activations saved
+    for backward): a hook of our own, as the root of an fsdp model holding no parameters of its
+    own gets no snapshots from FSDPMemTracker."""
+    taken: dict[str, dict[str, int]] = {}
+
+    def snapshot(module, inputs, outputs) -> None:
+        taken["snapshot"] = _named(tracker.get_tracker_snapshot("current"))
+
+    model.register_forward_hook(snapshot)
+    return taken
+
+
+def trace(request: dict, strategy: str) -> dict[str, int | None]:
+    """Per-rank bytes of one steady-state training step of request's model under strategy."""
+    fake_mode = FakeTensorMode()
+    model = _fake_model(request, strategy, fake_mode)
+    wraps_in_ddp = strategy == "ddp" and request["world_size"] > 1
+    with fake_mode:
+        config = Config(arch=request["arch"], amp=request["amp"])
+        optimizer, _ = build_optimizer(model, config)
+        batch, size = request["per_rank_batch"], request["image_size"]
+        images = torch.randn(batch, 3, size, size)
+        target = torch.randint(0, request["num_classes"], (batch,))
+        buckets = _keep_gradients_in_buckets(model) if wraps_in_ddp else []
+        precision = Precision("cpu", request["amp"])
+        # nn.CrossEntropyLoss's function: MemTracker refuses a module called more than once
+        # outside the model, as the loss is for the auxiliary heads of googlenet and inception.
+        criterion = nn.functional.cross_entropy
+        try:
+            Step(model, optimizer, precision, criterion)(images, target)
+        except UNTRACEABLE as err:
+            raise ModelError(
+                f"its step cannot be traced on fake tensors ({first_line(err)})"
+            ) from None
+        except (RuntimeError, AssertionError, ValueError) as err:
+            raise ModelError(f"it does not run on {size} px crops: {first_line(err)}") from None
+        if strategy == "fsdp":
+            tracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs((images, target))
+        else:
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer, images, target)
+        after_forward = _after_forward(model, tracker)
+        with tracker:
+            before = _named(tracker.get_tracker_snapshot("current"))
+            Step(model, optimizer, precision, criterion)(images, target)
+        del buckets
+    return _figures(strategy, before, after_forward["snapshot"], tracker, wraps_in_ddp)
+
+
+def _figures(strategy, before, after_forward, tracker, wraps_in_ddp) -> dict[str, int | None]:
+    snapshots = _all_snapshots(tracker)
+    step_peak = max(s.get("Total", 0) for s in snapshots)
+    sharded = strategy == "fsdp"
+    grads = before.get("Sharded Grad" if sharded else "Gradient", 0)
+    figures = {
+        "params": before.get("Sharded Param" if sharded else "Parameter", 0),
+        "grads": grads,
+        "optimizer": before.get("OptState" if sharded else "Optstate", 0),
+        "buffers": before.get("Buffer", 0),
+        "inputs": before.get("Inputs" if sharded else "Other", 0),
+        "activations": after_forward.get("Activation", 0),
+        # DDP's buckets are the gradients (gradient_as_bucket_view): nothing beyond "grads".
+        "comm_buffers": 0,
+        "all_gather_peak": None,
+        "bucket_rebuild": None,
+        "step_peak": step_peak,
+    }
+    if sharded:
+        figures["comm_buffers"] = max(
+            s.get("All Gather", 0) + s.get("Reduce Scatter", 0) for s in snapshots
+        )
+        figures["all_gather_peak"] = max(
+            s.get("All Gather", 0) + s.get("Unsharded Param", 0) for s in snapshots
+        )
+    if wraps_in_ddp:
+        figures["bucket_rebuild"] = before.get("Total", 0) + grads
+    figures["peak"] = max(step_peak, figures["bucket_rebuild"] or 0)
+    figures["at_step_peak"] = {
+        name: size
+        for name, size in _named(tracker.get_tracker_snapshot("peak")).items()
+        if size and name != "Total"
+    }
+    return figures
+
+
+def main(argv: list[str]) -> int:
+    request = json.loads(argv[0])
+    dist.init_process_group("fake", rank=0, world_size=request["world_size"], store=FakeStore())
+    try:
+        result = {s: trace(request, s) for s in request["strategies"]}
+    except ModelError as err:
+        result, code = {"error": str(err)}, 2
+    else:
+        code = 0
+    finally:
+        dist.destroy_process_group()
+    print(json.dumps(result), flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,76 @@
+"""Measures what one DDP rank really holds in training steps 2 and 3, on real CPU tensors.
+
+    python tests/e2e/real_step.py '{"arch": "resnet18", "per_rank_batch": 4, "image_size": 32,
+                                    "num_classes": 10}'
+
+prints one JSON object of bytes. The rank is a real DDP (gloo, gradient_as_bucket_view=True, as
+ddptrain wraps with two or more ranks) in a group of one: a rank's memory under DDP does not depend
+on the number of ranks. The model, precision (channels_last), optimizer and step are ddptrain's own.
+Measured with MemTracker in real mode (what the tensors hold, by category), as the planner
+measures its fake step. (bench/fsdp.py also counts the CPU allocator's own allocations with the
+profiler, which takes a minute here: too slow for a test.)
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.nn.parallel import DistributedDataParallel
+
+from ddptrain.config import Config
+from ddptrain.model.build import build_model
+from ddptrain.model.precision import resolve_precision
+from ddptrain.train.optim import build_optimizer
+from ddptrain.train.trainer import Step
+
+
+def named(snapshot: dict) -> dict[str, int]:
+    return {getattr(k, "value", k): v for per in snapshot.values() for k, v in per.items()}
+
+
+def measure(arch: str, per_rank_batch: int, image_size: int, num_classes: int) -> dict:
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    device = torch.device("cpu")
+    config = Config(arch=arch, image_size=image_size, device="cpu")
+    model = build_model(arch, num_classes, image_size, pretrained=False)
+    precision = resolve_precision(config, None, model, device)
+    model = DistributedDataParallel(precision.place(model, device), gradient_as_bucket_view=True)
+    optimizer, _ = build_optimizer(model, config)
+    shape = (per_rank_batch, 3, image_size, image_size)
+    images = precision.inputs(torch.randint(0, 256, shape, dtype=torch.uint8), device)
+    target = torch.randint(0, num_classes, (per_rank_batch,))
+    criterion = torch.nn.CrossEntropyLoss()
+
+    def step() -> None:
+        Step(model, optimizer, precision, criterion)(images, target)
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, images, target)
+    after_forward = {}
+
+    def at_end_of_forward(*_) -> None:  # activations saved for backward, all of them
+        after_forward.setdefault("snap", named(tracker.get_tracker_snapshot()))
+
+    model.module.register_forward_hook(at_end_of_forward)
+    with tracker:
+        before = named(tracker.get_tracker_snapshot())
+        step()  # step 2: DDP rebuilds its buckets
+        tracker.reset_mod_stats()
+        step()
+    dist.destroy_process_group()
+    return {
+        "params": before["Parameter"],
+        "grads": before["Gradient"],
+        "optimizer": before["Optstate"],
+        "buffers": before["Buffer"],
+        "activations": after_forward["snap"]["Activation"],
+        "peak": named(tracker.get_tracker_snapshot("peak"))["Total"],
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(**json.loads(sys.argv[1]))))

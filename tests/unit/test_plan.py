@@ -1,0 +1,180 @@
+"""`ddptrain plan`'s flags, table, JSON and fit search, over a stand-in for the traced figures
+(tests/e2e/test_plan.py runs the real trace)."""
+
+import json
+
+import pytest
+
+from ddptrain.cli import main, parse
+from ddptrain.errors import UserError
+from ddptrain.tools import plan as planner
+from ddptrain.tools.plan import GiB, PlanRequest
+
+MiB = 2**20
+REQUIRED = ("params", "grads", "optimizer", "activations", "peak")
+
+
+def figures(strategy: str, world_size: int, per_rank_batch: int) -> dict:
+    """What a trace of a model with 300 MiB of parameters and 40 MiB of activations per image
+    would give: the peak grows linearly with the batch, fsdp shards the model state."""
+    shards = world_size if strategy == "fsdp" else 1
+    state = 300 * MiB // shards
+    activations = 40 * MiB * per_rank_batch
+    step_peak = 3 * state + activations + 10 * MiB
+    rebuild = 4 * state if strategy == "ddp" and world_size > 1 else None
+    return {
+        "params": state, "grads": state, "optimizer": state, "buffers": 1024,
+        "inputs": per_rank_batch * 3 * 224 * 224 * 4, "activations": activations,
+        "comm_buffers": 0 if strategy == "ddp" else 50 * MiB,
+        "all_gather_peak": None if strategy == "ddp" else 60 * MiB,
+        "bucket_rebuild": rebuild, "step_peak": step_peak, "peak": max(step_peak, rebuild or 0),
+        "at_step_peak": {},
+    }  # fmt: skip
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """Stands in for the traced child process; records each call's per-rank batch."""
+    calls = []
+
+    def trace(arch, num_classes, world_size, per_rank_batch, image_size, amp, strategies):
+        calls.append((tuple(strategies), per_rank_batch))
+        return {s: figures(s, world_size, per_rank_batch) for s in strategies}
+
+    monkeypatch.setattr(planner, "trace", trace)
+    monkeypatch.setattr(planner, "cuda_memory", lambda: None)
+    return calls
+
+
+def test_global_batch_must_divide_over_the_ranks():
+    with pytest.raises(UserError, match=r"--batch-size 10 .* 4 ranks; use a multiple of 4"):
+        PlanRequest(arch="resnet18", world_size=4, batch_size=10)
+    assert PlanRequest(arch="resnet18", world_size=4, batch_size=12).per_rank_batch == 3
+
+
+def test_divide_error_is_one_line_from_the_command(capsys):
+    assert main(["plan", "-a", "resnet18", "--world-size", "3", "-b", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ddptrain: error: --batch-size 8"), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--world-size", "0"], "--world-size"),
+        (["--num-classes", "0"], "--num-classes"),
+        (["--device-memory", "-1"], "--device-memory"),
+        (["--amp", "fp8"], "--amp"),
+        (["--image-size", "8"], "--image-size"),
+    ],
+)
+def test_bad_flags_name_themselves(argv, flag):
+    with pytest.raises(UserError, match=flag):
+        parse(["plan", "-a", "resnet18", *argv])
+
+
+def test_unknown_arch_is_a_user_error():
+    with pytest.raises(UserError, match="--arch"):
+        parse(["plan", "-a", "resnet9000"])
+
+
+def test_flags_parse_into_a_request():
+    command, request = parse(
+        ["plan", "-a", "vit_b_16", "--world-size", "8", "-b", "512", "--image-size", "384",
+         "--amp", "bf16", "--num-classes", "10", "--device-memory", "80", "--json"]
+    )  # fmt: skip
+    assert command == "plan"
+    assert request == PlanRequest("vit_b_16", 8, 512, 384, "bf16", 10, 80.0, True)
+    assert request.per_rank_batch == 64
+
+
+def test_json_is_one_object_keyed_by_strategy(traces, capsys):
+    planner.run(PlanRequest("resnet50", world_size=2, batch_size=8, device_memory=80, json=True))
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1
+    result = json.loads(out[0])
+    assert set(result) == {"ddp", "fsdp"}
+    for strategy in ("ddp", "fsdp"):
+        for key in REQUIRED:
+            assert isinstance(result[strategy][key], int) and result[strategy][key] > 0, key
+        assert result[strategy]["fits"] is True
+        assert result[strategy]["device_memory"] == 80 * GiB
+    assert result["fsdp"]["params"] == result["ddp"]["params"] // 2
+    assert traces == [(("ddp", "fsdp"), 4)]  # both fit: one trace, no batch search
+
+
+def test_table_shows_every_row_and_which_strategy_fits(traces):
+    # ddp peaks at 4 x 300 MiB (its bucket rebuild), fsdp at 3 x 150 + 4 x 40 + 10 MiB.
+    request = PlanRequest("resnet50", world_size=2, batch_size=8, device_memory=1.0)
+    text = planner.table(request, planner.plan(request))
+    for label, _ in planner.ROWS:
+        assert label in text
+    assert "global batch 8 (4 per rank)" in text
+    fits = next(line for line in text.splitlines() if line.lstrip().startswith("fits"))
+    assert fits.split()[-2:] == ["no", "yes"]
+    assert "Only fsdp fits 1.00 GiB: train with --strategy fsdp." in text
+
+
+def test_without_a_device_the_table_says_how_to_get_a_verdict(traces):
+    request = PlanRequest("resnet50", world_size=2, batch_size=8)
+    text = planner.table(request, planner.plan(request))
+    assert "--device-memory" in text.splitlines()[-1]
+    assert not any(line.lstrip().startswith("fits") for line in text.splitlines())
+
+
+def largest_fitting(strategy: str, world_size: int, usable: int) -> int:
+    return max(
+        (b for b in range(1, 200) if figures(strategy, world_size, b)["peak"] <= usable), default=0
+    )
+
+
+@pytest.mark.parametrize("device_gib", [2.0, 3.0, 5.5])
+def test_neither_fitting_names_the_largest_batch_each_would_take(traces, device_gib):
+    request = PlanRequest("resnet50", world_size=2, batch_size=256, device_memory=device_gib)
+    result = planner.plan(request)
+    usable = int(device_gib * GiB * planner.USABLE)
+    for strategy in ("ddp", "fsdp"):
+        expected = largest_fitting(strategy, 2, usable)
+        assert result[strategy]["fits"] is False
+        assert result[strategy]["fitting_batch"] == expected * 2, strategy
+    searches = [c for c in traces if len(c[0]) == 1]
+    assert len(searches) <= 2 * planner.BATCH_SEARCH_TRACES
+    text = planner.verdict(request, result)
+    assert text.startswith(f"Neither fits {device_gib:.2f} GiB at -b 256: ddp fits -b ")
+
+
+def test_no_batch_fits_when_the_model_state_alone_does_not(traces):
+    request = PlanRequest("resnet50", world_size=2, batch_size=8, device_memory=0.5)
+    result = planner.plan(request)
+    assert result["ddp"]["fitting_batch"] is None and result["fsdp"]["fitting_batch"] is None
+    assert "ddp not even at 1 image per rank" in planner.verdict(request, result)
+
+
+def plan_line(strategy: str, device_memory: int | None) -> str:
+    return planner.plan_line("resnet50", 1000, 2, 4, 224, "none", strategy, device_memory)
+
+
+def test_plan_line_without_a_device_is_the_strategy_figures(traces):
+    line = plan_line("ddp", None)
+    assert line.startswith("plan: ddp, 4 per rank: peak 1.17 GiB per rank")
+    assert "fit" not in line and traces == [(("ddp",), 4)]
+
+
+def test_plan_line_fitting(traces):
+    assert plan_line("fsdp", 8 * GiB).endswith("; fits 8.00 GiB (7.20 GiB usable)")
+
+
+def test_plan_line_names_the_strategy_that_would_fit(traces):
+    line = plan_line("ddp", 1 * GiB)
+    assert "will NOT fit 1.00 GiB (922 MiB usable): --strategy fsdp would (peak 620 MiB)" in line
+
+
+def test_plan_line_names_the_batch_that_would_fit(traces):
+    line = plan_line("fsdp", int(0.6 * GiB))
+    usable = int(0.6 * GiB * planner.USABLE)
+    b = largest_fitting("fsdp", 2, usable)
+    assert line.endswith(f": -b {2 * b} would ({b} per rank)"), line
+
+
+def test_plan_line_when_nothing_fits(traces):
+    assert "not even at 1 image per rank" in plan_line("fsdp", 300 * MiB)
