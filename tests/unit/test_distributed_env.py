@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from ddptrain.config import Config
-from ddptrain.dist.env import SpawnSlot, _backend, _device, _placement, init_distributed
+from ddptrain.dist.env import (
+    SpawnSlot,
+    _backend,
+    _device,
+    _placement,
+    init_distributed,
+    local_index,
+)
 from ddptrain.errors import UserError
 
 LAUNCHER_VARS = (
@@ -49,6 +56,22 @@ def test_tcp_invocations():
     assert _placement(config, None) == (1, 2, 1, 1, "tcp://127.0.0.1:5")
     with pytest.raises(UserError, match="--rank"):
         _placement(Config(world_size=2, dist_url="tcp://127.0.0.1:5"), None)
+
+
+def test_tcp_rank_takes_the_device_of_its_place_on_the_node():
+    # rank 9 of 16 on 8-device nodes: the second device of the second node, not a ninth device
+    assert local_index(9, None, None, devices_per_node=8) == 1
+    assert [local_index(r, None, None, 4) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert local_index(9, "3", 5, 8) == 3  # LOCAL_RANK first (a launcher that sets it)
+    assert local_index(9, None, 5, 8) == 5  # then --local-rank
+    assert local_index(9, None, None, 0) == 9  # a CPU node: no devices to index
+
+
+def test_tcp_placement_reads_local_rank_and_local_world_size(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    config = Config(world_size=4, rank=3, dist_url="tcp://127.0.0.1:5")
+    assert _placement(config, None) == (3, 4, 1, 2, "tcp://127.0.0.1:5")
 
 
 def test_incomplete_launcher_environments(monkeypatch):

@@ -13,7 +13,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ddptrain.dist.env import DistEnv, cpu_group
+from ddptrain.dist.collectives import start_max_on_cpu
+from ddptrain.dist.env import DistEnv
 from ddptrain.errors import Stopped
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -61,6 +62,6 @@ class StopRequests:
             work.wait()
             stop = int(flag.item())  # a CPU tensor: no device synchronisation
         flag = torch.tensor([self.received], dtype=torch.int32)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group(), async_op=True)
+        work = start_max_on_cpu(flag, self.env)
         self._pending = (work, flag)
         return stop
