@@ -21,6 +21,14 @@ LAUNCHER_VARS = (
     "LOCAL_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_JOB_NODELIST",
+    "SLURM_JOB_ID",
+    "SLURM_NODEID",
 )
 
 
@@ -103,3 +111,23 @@ def test_gpu_pin_is_refused_with_several_local_ranks(monkeypatch):
         monkeypatch.setenv(name, value)
     with pytest.raises(UserError, match="--gpu 0"):
         init_distributed(Config(gpu=0))
+
+
+def test_srun_tasks_meet_on_the_first_host_of_the_nodelist(monkeypatch):
+    srun = dict(
+        SLURM_PROCID="5",
+        SLURM_LOCALID="1",
+        SLURM_NTASKS="8",
+        SLURM_NTASKS_PER_NODE="4",
+        SLURM_JOB_NODELIST="gpu[07-08]",
+        SLURM_JOB_ID="4242",
+    )
+    for name, value in srun.items():
+        monkeypatch.setenv(name, value)
+    assert _placement(Config(), None) == (5, 8, 1, 4, "tcp://gpu07:16242")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert _placement(Config(), None)[4] == "tcp://10.0.0.1:29500"
+    monkeypatch.setenv("WORLD_SIZE", "8")  # srun running torchrun: torchrun's variables win
+    monkeypatch.setenv("RANK", "2")
+    assert _placement(Config(), None)[:2] == (2, 8)

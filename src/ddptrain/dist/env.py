@@ -1,8 +1,9 @@
 """The only module that reads launcher environment variables or touches process groups.
 
 Every launcher ends in one `DistEnv`: torchrun and torch.distributed.launch (RANK, WORLD_SIZE,
-LOCAL_RANK), --multiprocessing-distributed (a `SpawnSlot` from launch.py), --dist-url tcp://
-with --world-size/--rank (one process per invocation), or a single process.
+LOCAL_RANK), srun without torchrun (SLURM_PROCID and the rest, read in slurm.py),
+--multiprocessing-distributed (a `SpawnSlot` from launch.py), --dist-url tcp:// with
+--world-size/--rank (one process per invocation), or a single process.
 """
 
 import datetime
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.config import Config
+from ddptrain.dist import slurm
 from ddptrain.dist.threads import share_cpu_threads
 from ddptrain.errors import UserError
 
@@ -61,6 +63,9 @@ def _placement(config: Config, slot: SpawnSlot | None) -> tuple[int, int, int, i
         local_rank = int(env.get("LOCAL_RANK", config.local_rank or 0))
         local_world = int(env.get("LOCAL_WORLD_SIZE", 1))
         return int(env["RANK"]), int(env["WORLD_SIZE"]), local_rank, local_world, "env://"
+    if config.dist_url == "env://" and slurm.started_by_srun(env):  # srun, no torchrun
+        task = slurm.placement(env)
+        return task.rank, task.world_size, task.local_rank, task.local_world_size, task.url
     if config.world_size > 1:  # one process per invocation, e.g. --dist-url tcp://
         if config.rank < 0:
             raise UserError(f"--world-size {config.world_size} needs --rank of this process")
