@@ -16,11 +16,12 @@ from ddptrain.errors import UserError
 
 DEVICES = ("auto", "cpu", "cuda", "mps", "xpu")
 BACKENDS = ("gloo", "nccl", "xccl", "mpi", "ucc")
-AMP = ("none", "bf16", "fp16")
+AMP = ("auto", "none", "bf16", "fp16")
 STRATEGIES = ("ddp", "fsdp")
 BAD_IMAGES = ("error", "skip")
 # PIL's own default limit (1024 * 1024 * 1024 // 4 // 3): about a 9,500 px square.
 MAX_IMAGE_PIXELS = 89_478_485
+COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 # Train crop of the built-in dataset, whose images are 40 px; real data gets ImageNet's 224.
 BUILTIN_IMAGE_SIZE = 32
 DEFAULT_IMAGE_SIZE = 224
@@ -146,9 +147,12 @@ class Config:
     keep_last: int = _flag(
         2, "numbered checkpoints to keep in --out-dir (model_best.pt is kept apart)", metavar="K"
     )
-    # None: the resumed checkpoint's setting, else none / on for convolutional models / off.
+    # None: the resumed checkpoint's setting, else auto / on for convolutional models / off.
     amp: str | None = _flag(
-        None, "autocast: none, bf16 (CPU and GPU), fp16 (CUDA, GradScaler)", choices=AMP
+        None,
+        "autocast: auto (default: bf16 where the device has bf16 units, else none), none, "
+        "bf16 (CPU and GPU), fp16 (CUDA, GradScaler)",
+        choices=AMP,
     )
     channels_last: bool | None = _flag(
         None, "NHWC memory format (default: on for convolutional models)", negatable=True
@@ -167,6 +171,23 @@ class Config:
         True,
         "fsdp: free each gathered block after its forward (less memory, one more all-gather)",
         negatable=True,
+    )
+    ddp_comm_hook: str = _flag(
+        "none",
+        "ddp: compress gradients before the all-reduce: bf16, fp16, or powersgd (low-rank)",
+        choices=COMM_HOOKS,
+    )
+    powersgd_rank: int = _flag(1, "powersgd: rank of the gradient approximation", metavar="R")
+    powersgd_start_step: int = _flag(
+        1000,
+        "powersgd: plain all-reduce for the first N optimizer steps (at least 2)",
+        metavar="N",
+    )
+    bucket_cap_mb: float | None = _flag(
+        None, "ddp: gradient bucket size for the all-reduce (default: torch's 25)", metavar="MB"
+    )
+    static_graph: bool = _flag(
+        False, "ddp: the model uses the same parameters every step (lets DDP skip checks)"
     )
 
     crop_scale: tuple[float, float] = _flag(
@@ -351,6 +372,23 @@ class Config:
         if self.strategy != "fsdp" and (self.fsdp_offload or not self.reshard_after_forward):
             flag = "--fsdp-offload" if self.fsdp_offload else "--no-reshard-after-forward"
             raise UserError(f"{flag} goes with --strategy fsdp")
+        ddp_only = {
+            "--ddp-comm-hook": self.ddp_comm_hook != "none",
+            "--bucket-cap-mb": self.bucket_cap_mb is not None,
+            "--static-graph": self.static_graph,
+        }
+        for flag, given in ddp_only.items():
+            if given and self.strategy == "fsdp":
+                raise UserError(f"{flag} goes with --strategy ddp (fsdp has no DDP reducer)")
+        if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
+            raise UserError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
+        if self.powersgd_rank < 1 or self.powersgd_start_step < 2:
+            raise UserError("--powersgd-rank must be at least 1 and --powersgd-start-step 2")
+        if self.ddp_comm_hook == "powersgd" and self.static_graph:
+            raise UserError(
+                "--ddp-comm-hook powersgd with --static-graph: a static graph lets DDP rebuild "
+                "its buckets, which would make a resumed run differ; drop --static-graph"
+            )
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UserError(f"--clip-grad-norm must be positive, got {self.clip_grad_norm}")
         if self.strategy == "fsdp" and self.model_ema:

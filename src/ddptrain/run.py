@@ -26,7 +26,7 @@ from ddptrain.dist.collectives import agree, check_same, from_rank0
 from ddptrain.dist.env import DistEnv, SpawnSlot, init_distributed, teardown_distributed
 from ddptrain.errors import UserError
 from ddptrain.model.build import build_model, load_pretrained
-from ddptrain.model.parallelize import is_sharded, unwrap, wrap
+from ddptrain.model.parallelize import Communication, checkpoint_parts, is_sharded, unwrap, wrap
 from ddptrain.model.precision import DTYPES, resolve_precision
 from ddptrain.report.records import require_tensorboard
 from ddptrain.report.reporter import Reporter
@@ -108,6 +108,7 @@ def _train(config: Config, env: DistEnv) -> TrainState:
         amp_dtype=DTYPES[precision.amp],
         offload=config.fsdp_offload,
         reshard_after_forward=config.reshard_after_forward,
+        comm=Communication.of(config),
     )
     steps_per_epoch = loaders.train_sampler.steps if loaders.train_sampler else 1
     optimizer, scheduler = build_optimizer(model, config, steps_per_epoch)
@@ -121,6 +122,7 @@ def _train(config: Config, env: DistEnv) -> TrainState:
     )
     if ema is not None:
         parts["model_ema"] = ema
+    parts.update(checkpoint_parts(model, env))  # PowerSGD's state under --ddp-comm-hook powersgd
     checkpointer = Checkpointer(env, out_dir, unwrap(model), parts, meta, record, config.keep_last)
     state = _restore(checkpointer, saved, scheduler, config, steps_per_epoch)
     if precision.compile:
@@ -168,7 +170,7 @@ def _summary(config, env, loaders, precision, parameters, steps_per_epoch, resum
         + (f" in {config.accum_steps} micro-batches" if config.accum_steps > 1 else ""),
         "steps/epoch": steps_per_epoch,
         "model": f"{config.arch}, {parameters / 1e6:.2f} M parameters",
-        "precision": f"amp {precision.amp}, channels_last {precision.channels_last}, "
+        "precision": f"amp {precision.amp_choice()}, channels_last {precision.channels_last}, "
         f"compile {precision.compile}",
         "strategy": strategy,
         "data": f"{loaders.num_classes} classes, {train} train / {loaders.num_val} val images",
@@ -265,6 +267,8 @@ def _prepare(
     precision = resolve_precision(config, None, model, env.device)
     done = TrainState.from_checkpoint(saved or {"epoch": config.start_epoch})
     reporter = Reporter(env, out_dir, config.progress, config.tensorboard, done.global_step)
+    if precision.warning:
+        reporter.warn(precision.warning)
     if saved is None:
         if config.evaluate and not config.pretrained:
             raise UserError(f"--evaluate: no checkpoint to evaluate in {out_dir}")

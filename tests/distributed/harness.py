@@ -2,19 +2,13 @@
 
 import multiprocessing
 import queue
-import socket
 import traceback
 
 import torch
 import torch.distributed as dist
 
 from ddptrain.dist.env import DistEnv
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ddptrain.dist.ports import free_port
 
 
 def _entry(fn, rank, world, port, results, args):
@@ -40,7 +34,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 120) -> list:
     level function (processes are spawned). A hang fails after `timeout` seconds."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(fn, r, world, port, results, args)) for r in range(world)
     ]

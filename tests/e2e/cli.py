@@ -4,7 +4,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,17 +11,13 @@ from pathlib import Path
 
 import torch
 
+from ddptrain.dist.ports import free_port
+
 DEADLINE = 240  # seconds: a hang fails the test instead of stalling CI
 
 
 def env_with(**extra) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **extra}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_args(data, out, *extra) -> list[str]:

@@ -195,3 +195,23 @@ def test_the_recipe_flags_parse():
     assert (c.crop_scale, c.hflip, c.auto_augment) == ((0.25, 1.0), 0.0, "ra")
     assert (c.lr_milestones, c.model_ema, c.val_resize) == ((30, 60), True, 40)
     assert parse(["train", "--model-ema", "--no-model-ema"])[1].model_ema is False
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--ddp-comm-hook", "bf16"], "--ddp-comm-hook"),
+        (["--bucket-cap-mb", "50"], "--bucket-cap-mb"),
+        (["--static-graph"], "--static-graph"),
+    ],
+)
+def test_ddp_communication_flags_are_refused_under_fsdp(flags, named):
+    with pytest.raises(UserError, match=f"{named} goes with --strategy ddp"):
+        parse(["train", "--strategy", "fsdp", *flags])
+    _, config = parse(["train", *flags])  # and taken under ddp
+    assert config.strategy == "ddp"
+
+
+def test_powersgd_with_a_static_graph_is_refused():
+    with pytest.raises(UserError, match="--static-graph"):
+        parse(["train", "--ddp-comm-hook", "powersgd", "--static-graph"])

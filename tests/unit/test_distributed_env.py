@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from ddptrain.config import Config
-from ddptrain.dist.env import SpawnSlot, _backend, _device, _placement, init_distributed
+from ddptrain.dist.env import (
+    SpawnSlot,
+    _backend,
+    _device,
+    _placement,
+    init_distributed,
+    local_index,
+)
 from ddptrain.errors import UserError
 
 LAUNCHER_VARS = (
@@ -14,6 +21,14 @@ LAUNCHER_VARS = (
     "LOCAL_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_JOB_NODELIST",
+    "SLURM_JOB_ID",
+    "SLURM_NODEID",
 )
 
 
@@ -51,6 +66,22 @@ def test_tcp_invocations():
         _placement(Config(world_size=2, dist_url="tcp://127.0.0.1:5"), None)
 
 
+def test_tcp_rank_takes_the_device_of_its_place_on_the_node():
+    # rank 9 of 16 on 8-device nodes: the second device of the second node, not a ninth device
+    assert local_index(9, None, None, devices_per_node=8) == 1
+    assert [local_index(r, None, None, 4) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert local_index(9, "3", 5, 8) == 3  # LOCAL_RANK first (a launcher that sets it)
+    assert local_index(9, None, 5, 8) == 5  # then --local-rank
+    assert local_index(9, None, None, 0) == 9  # a CPU node: no devices to index
+
+
+def test_tcp_placement_reads_local_rank_and_local_world_size(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    config = Config(world_size=4, rank=3, dist_url="tcp://127.0.0.1:5")
+    assert _placement(config, None) == (3, 4, 1, 2, "tcp://127.0.0.1:5")
+
+
 def test_incomplete_launcher_environments(monkeypatch):
     with pytest.raises(UserError, match="MASTER_ADDR"):
         _placement(Config(world_size=2, rank=0), None)
@@ -80,3 +111,23 @@ def test_gpu_pin_is_refused_with_several_local_ranks(monkeypatch):
         monkeypatch.setenv(name, value)
     with pytest.raises(UserError, match="--gpu 0"):
         init_distributed(Config(gpu=0))
+
+
+def test_srun_tasks_meet_on_the_first_host_of_the_nodelist(monkeypatch):
+    srun = dict(
+        SLURM_PROCID="5",
+        SLURM_LOCALID="1",
+        SLURM_NTASKS="8",
+        SLURM_NTASKS_PER_NODE="4",
+        SLURM_JOB_NODELIST="gpu[07-08]",
+        SLURM_JOB_ID="4242",
+    )
+    for name, value in srun.items():
+        monkeypatch.setenv(name, value)
+    assert _placement(Config(), None) == (5, 8, 1, 4, "tcp://gpu07:16242")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert _placement(Config(), None)[4] == "tcp://10.0.0.1:29500"
+    monkeypatch.setenv("WORLD_SIZE", "8")  # srun running torchrun: torchrun's variables win
+    monkeypatch.setenv("RANK", "2")
+    assert _placement(Config(), None)[:2] == (2, 8)

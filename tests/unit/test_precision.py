@@ -4,7 +4,8 @@ from torch import nn
 
 from ddptrain.config import Config
 from ddptrain.errors import UserError
-from ddptrain.model.precision import Precision, resolve_precision
+from ddptrain.model import precision
+from ddptrain.model.precision import Precision, auto_amp, bf16_units, resolve_precision
 from ddptrain.train.trainer import Step
 
 CPU = torch.device("cpu")
@@ -22,8 +23,9 @@ def convnet():
 
 
 def test_defaults_channels_last_for_convolutional_models_only():
+    # amp: --amp auto's choice for this machine's CPU (the default since --amp auto)
     assert resolve_precision(Config(), None, convnet(), CPU).settings() == {
-        "amp": "none",
+        "amp": auto_amp("cpu", bf16_units(CPU))[0],
         "channels_last": True,
         "compile": False,
     }
@@ -70,3 +72,43 @@ def test_bf16_training_computes_in_bf16_and_its_loss_falls():
     assert output.dtype == torch.bfloat16
     assert model[0].weight.dtype == torch.float32  # master weights stay fp32
     assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("kind", ["cuda", "cpu", "xpu"])
+def test_auto_takes_bf16_where_the_device_has_bf16_units(kind):
+    amp, reason = auto_amp(kind, has_bf16_units=True)
+    assert amp == "bf16" and reason == f"auto: the {kind} device has bf16 units"
+    amp, reason = auto_amp(kind, has_bf16_units=False)
+    assert amp == "none" and "no bf16 units" in reason
+
+
+def test_auto_keeps_a_seeded_cpu_run_in_fp32_where_bf16_would_not_repeat():
+    amp, reason = auto_amp("cpu", has_bf16_units=True, bitwise=True)
+    assert amp == "none" and "--seed" in reason
+    assert auto_amp("cuda", has_bf16_units=True, bitwise=True)[0] == "bf16"
+
+
+def test_auto_takes_fp32_on_other_devices():
+    assert auto_amp("mps", has_bf16_units=True)[0] == "none"
+    assert auto_amp("mps", has_bf16_units=False)[0] == "none"
+
+
+def test_auto_is_resolved_before_it_is_saved_and_a_resumed_choice_stays(monkeypatch):
+    monkeypatch.setattr(precision, "bf16_units", lambda device: True)
+    chosen = resolve_precision(Config(amp="auto"), None, convnet(), CPU)
+    assert chosen.settings()["amp"] == "bf16"  # what config.json and the checkpoint keep
+    assert chosen.amp_choice() == "bf16 (auto: the cpu device has bf16 units)"
+    assert resolve_precision(Config(seed=0), None, convnet(), CPU).amp == "none"
+    monkeypatch.setattr(precision, "bf16_units", lambda device: False)
+    assert resolve_precision(Config(), None, convnet(), CPU).amp == "none"
+    # a run resumed on a machine without bf16 units keeps the bf16 its first run chose
+    resumed = resolve_precision(Config(), {"amp": "bf16"}, convnet(), CPU)
+    assert resumed.amp == "bf16" and resumed.amp_choice() == "bf16"
+
+
+def test_bf16_on_a_cpu_without_bf16_units_warns_that_it_is_emulated(monkeypatch):
+    monkeypatch.setattr(precision, "bf16_units", lambda device: False)
+    slow = resolve_precision(Config(amp="bf16"), None, convnet(), CPU)
+    assert slow.amp == "bf16" and "emulated and slower" in slow.warning
+    monkeypatch.setattr(precision, "bf16_units", lambda device: True)
+    assert resolve_precision(Config(amp="bf16"), None, convnet(), CPU).warning is None

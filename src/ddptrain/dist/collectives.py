@@ -17,6 +17,23 @@ def all_sum(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return tensor
 
 
+def gather_objects(value: object, env: DistEnv) -> list | None:
+    """Every rank's value (picklable; CPU tensors included) as a list by rank on rank 0, None
+    elsewhere. On the CPU group where there is one: nothing here needs the device."""
+    if not env.distributed:
+        return [value]
+    gathered = [None] * env.world_size if env.is_main else None
+    dist.gather_object(value, gathered, dst=0, group=env.cpu_group)
+    return gathered
+
+
+def start_max_on_cpu(flag: torch.Tensor, env: DistEnv) -> dist.Work:
+    """Starts an in-place max of a small CPU tensor over the ranks and returns at once; wait()
+    on the result before reading flag. It runs on the CPU group when the default group is a
+    device backend, so reading the flag never waits for the device's queue."""
+    return dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=env.cpu_group, async_op=True)
+
+
 def _comm_device(env: DistEnv) -> torch.device:
     return env.device if dist.get_backend() != "gloo" else torch.device("cpu")
 

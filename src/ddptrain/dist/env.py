@@ -1,8 +1,9 @@
 """The only module that reads launcher environment variables or touches process groups.
 
 Every launcher ends in one `DistEnv`: torchrun and torch.distributed.launch (RANK, WORLD_SIZE,
-LOCAL_RANK), --multiprocessing-distributed (a `SpawnSlot` from launch.py), --dist-url tcp://
-with --world-size/--rank (one process per invocation), or a single process.
+LOCAL_RANK), srun without torchrun (SLURM_PROCID and the rest, read in slurm.py),
+--multiprocessing-distributed (a `SpawnSlot` from launch.py), --dist-url tcp:// with
+--world-size/--rank (one process per invocation), or a single process.
 """
 
 import datetime
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.config import Config
+from ddptrain.dist import slurm
 from ddptrain.dist.threads import share_cpu_threads
 from ddptrain.errors import UserError
 
@@ -35,6 +37,9 @@ class DistEnv:
     local_rank: int
     local_world_size: int
     device: torch.device
+    # For small CPU-side agreements (stop requests) when the default group is a device
+    # backend: a flag reduced there would wait for the device. None: the default group is gloo.
+    cpu_group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -58,6 +63,9 @@ def _placement(config: Config, slot: SpawnSlot | None) -> tuple[int, int, int, i
         local_rank = int(env.get("LOCAL_RANK", config.local_rank or 0))
         local_world = int(env.get("LOCAL_WORLD_SIZE", 1))
         return int(env["RANK"]), int(env["WORLD_SIZE"]), local_rank, local_world, "env://"
+    if config.dist_url == "env://" and slurm.started_by_srun(env):  # srun, no torchrun
+        task = slurm.placement(env)
+        return task.rank, task.world_size, task.local_rank, task.local_world_size, task.url
     if config.world_size > 1:  # one process per invocation, e.g. --dist-url tcp://
         if config.rank < 0:
             raise UserError(f"--world-size {config.world_size} needs --rank of this process")
@@ -66,16 +74,46 @@ def _placement(config: Config, slot: SpawnSlot | None) -> tuple[int, int, int, i
                 "--dist-url env:// needs MASTER_ADDR and MASTER_PORT (torchrun sets them); "
                 "launch with torchrun or give --dist-url tcp://HOST:PORT"
             )
-        local_rank = config.local_rank if config.local_rank is not None else config.rank
-        return config.rank, config.world_size, local_rank, 1, config.dist_url
+        devices = _node_device_count(config)
+        local_rank = local_index(config.rank, env.get("LOCAL_RANK"), config.local_rank, devices)
+        local_world = int(env.get("LOCAL_WORLD_SIZE", min(config.world_size, devices) or 1))
+        return config.rank, config.world_size, local_rank, local_world, config.dist_url
     return 0, 1, 0, 1, config.dist_url
 
 
-def _device(config: Config, local_rank: int) -> torch.device:
+def local_index(
+    rank: int, local_rank_env: str | None, local_rank_flag: int | None, devices_per_node: int
+) -> int:
+    """This process's index on its node when each process was started on its own (--dist-url
+    tcp:// with --rank): LOCAL_RANK, else --local-rank, else the global rank modulo the node's
+    device count (ranks numbered node by node, as every launcher does), so rank 9 on 8-device
+    nodes takes device 1 rather than asking for a ninth. On a CPU node, the global rank."""
+    if local_rank_env is not None:
+        return int(local_rank_env)
+    if local_rank_flag is not None:
+        return local_rank_flag
+    return rank % devices_per_node if devices_per_node > 0 else rank
+
+
+def _device_kind(config: Config) -> str:
     kind = "cpu" if config.no_accel else config.device
     if kind == "auto":
         accelerator = torch.accelerator.current_accelerator(check_available=True)
         kind = accelerator.type if accelerator is not None else "cpu"
+    return kind
+
+
+def _node_device_count(config: Config) -> int:
+    """Accelerators of the run's kind on this node; 0 on CPU (or with none available)."""
+    kind = _device_kind(config)
+    module = getattr(torch, kind, None)
+    if kind == "cpu" or module is None or not module.is_available():
+        return 0
+    return module.device_count()
+
+
+def _device(config: Config, local_rank: int) -> torch.device:
+    kind = _device_kind(config)
     if kind == "cpu":
         return torch.device("cpu")
     module = getattr(torch, kind)
@@ -141,6 +179,7 @@ def init_distributed(config: Config, slot: SpawnSlot | None = None) -> DistEnv:
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     share_cpu_threads(local_world, config.workers)
+    cpu_group = None
     if world > 1:
         backend = _backend(config, device)
         timeout = datetime.timedelta(seconds=config.dist_timeout)
@@ -148,22 +187,11 @@ def init_distributed(config: Config, slot: SpawnSlot | None = None) -> DistEnv:
         rendezvous = {"init_method": url} if store is None else {"store": store}
         dist.init_process_group(backend, world_size=world, rank=rank, timeout=timeout, **rendezvous)
         if backend != "gloo":
-            global _cpu_group
-            _cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-    return DistEnv(rank, world, local_rank, local_world, device)
-
-
-# For small CPU-side agreements (stop requests) when the default group is a device backend:
-# reading a flag reduced there would wait for the device. None: the default group is gloo.
-_cpu_group: dist.ProcessGroup | None = None
-
-
-def cpu_group() -> dist.ProcessGroup | None:
-    return _cpu_group
+            cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    return DistEnv(rank, world, local_rank, local_world, device, cpu_group)
 
 
 def teardown_distributed() -> None:
-    global _cpu_group
-    _cpu_group = None
+    """Ends the default process group and every group made from it (the CPU group too)."""
     if dist.is_initialized():
         dist.destroy_process_group()

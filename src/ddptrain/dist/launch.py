@@ -4,7 +4,6 @@ As in the classic example, --world-size and --rank mean nodes and this node's ra
 """
 
 import os
-import socket
 import sys
 
 import torch
@@ -12,6 +11,7 @@ import torch.multiprocessing as mp
 
 from ddptrain.config import Config
 from ddptrain.dist.env import SpawnSlot
+from ddptrain.dist.ports import free_port
 from ddptrain.errors import UserError, report_errors
 
 
@@ -20,12 +20,6 @@ def _default_nproc(config: Config) -> int:
         return 1
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     return torch.accelerator.device_count() if accelerator is not None else 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rendezvous(config: Config, nodes: int) -> str:
@@ -41,7 +35,7 @@ def _rendezvous(config: Config, nodes: int) -> str:
             "--multiprocessing-distributed on several nodes needs --dist-url tcp://HOST:PORT "
             "of node 0 (or MASTER_ADDR and MASTER_PORT)"
         )
-    return f"tcp://127.0.0.1:{_free_port()}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def _worker(local_rank: int, config: Config, nproc: int, nodes: int, url: str) -> None:

@@ -7,17 +7,44 @@ model/fsdp.py). One rank runs the plain model under either: there is nothing to 
 
 import contextlib
 import warnings
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
+from ddptrain.config import Config
 from ddptrain.dist.collectives import broadcast_module
 from ddptrain.dist.env import DistEnv
-from ddptrain.model import fsdp
+from ddptrain.errors import UserError
+from ddptrain.model import comm_hooks, fsdp
 
 STRATEGIES = ("ddp", "fsdp")
+ONE_BUCKET_MB = 1 << 20  # a bucket cap no model reaches
+
+
+@dataclass(frozen=True)
+class Communication:
+    """How ddp reduces gradients: --ddp-comm-hook, --powersgd-*, --bucket-cap-mb,
+    --static-graph."""
+
+    hook: str = "none"
+    powersgd_rank: int = 1
+    powersgd_start_step: int = 1000
+    bucket_cap_mb: float | None = None  # None: torch's default (25)
+    static_graph: bool = False
+
+    @classmethod
+    def of(cls, config: Config) -> "Communication":
+        return cls(
+            config.ddp_comm_hook,
+            config.powersgd_rank,
+            config.powersgd_start_step,
+            config.bucket_cap_mb,
+            config.static_graph,
+        )
 
 
 def wrap(
@@ -29,6 +56,7 @@ def wrap(
     amp_dtype: torch.dtype | None = None,
     offload: bool = False,
     reshard_after_forward: bool = True,
+    comm: Communication | None = None,
 ) -> nn.Module:
     """The model, placed on env.device already, wrapped for `strategy`. Build the optimizer on
     what this returns: under fsdp its parameters are the shards.
@@ -43,8 +71,7 @@ def wrap(
         return fsdp.shard(model, arch, amp_dtype, offload, reshard_after_forward, env.device)
     if env.distributed:
         device_ids = None if env.device.type == "cpu" else [env.device.index]
-        # Gradients as views into the all-reduce buckets: one copy less per step.
-        return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        return _ddp(model, device_ids, comm or Communication())
     if env.device.type == "cuda" and not gpu_pinned and torch.cuda.device_count() > 1:
         warnings.warn(
             "one process on several GPUs: using DataParallel, which is slower than DDP; "
@@ -53,6 +80,41 @@ def wrap(
         )
         return nn.DataParallel(model)
     return model
+
+
+def _ddp(model: nn.Module, device_ids, comm: Communication) -> DistributedDataParallel:
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        # Gradients as views into the all-reduce buckets: one copy less per step.
+        gradient_as_bucket_view=True,
+        bucket_cap_mb=_bucket_cap_mb(comm),
+        static_graph=comm.static_graph,
+    )
+    state = comm_hooks.register(ddp, comm.hook, comm.powersgd_rank, comm.powersgd_start_step)
+    if state is not None:
+        ddp.powersgd_state = state  # for checkpoint_parts
+    return ddp
+
+
+def _bucket_cap_mb(comm: Communication) -> float | None:
+    """PowerSGD on gloo gets one bucket: each bucket's hook chains its all-reduces from
+    callbacks, and with several buckets in flight the ranks issued them in different orders
+    ("collective mismatch", measured with torch 2.14 on 2 ranks)."""
+    if comm.hook != "powersgd" or dist.get_backend() != "gloo":
+        return comm.bucket_cap_mb
+    if comm.bucket_cap_mb is not None:
+        raise UserError(
+            "--bucket-cap-mb with --ddp-comm-hook powersgd on gloo: powersgd runs there with "
+            "one bucket (several can mismatch collectives); drop --bucket-cap-mb"
+        )
+    return ONE_BUCKET_MB
+
+
+def checkpoint_parts(model: nn.Module, env: DistEnv) -> dict:
+    """The Stateful parts a checkpoint needs from the wrapper itself (PowerSGD's state)."""
+    state = getattr(model, "powersgd_state", None)
+    return {} if state is None else {"powersgd": comm_hooks.PowerSGDCheckpoint(state, env)}
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """How a run's math executes: autocast dtype, gradient scaling, memory format, compilation.
 
-bf16 autocast runs on CPUs (AMX) and GPUs; fp16 needs CUDA and a GradScaler. channels_last is
+bf16 autocast runs on CPUs (AMX) and GPUs; fp16 needs CUDA and a GradScaler. The default,
+auto, takes bf16 where the device has bf16 units and fp32 elsewhere. channels_last is
 on by default for convolutional models: the layout their fast kernels want.
 """
 
@@ -25,6 +26,8 @@ class Precision:
     channels_last: bool = False
     compile: bool = False
     scaler: torch.amp.GradScaler | None = None
+    reason: str = ""  # why this amp, for the start-up summary
+    warning: str | None = None  # rank 0 shows it: a choice that works but is slow here
 
     def autocast(self) -> contextlib.AbstractContextManager:
         dtype = DTYPES[self.amp]
@@ -66,6 +69,10 @@ class Precision:
             self.scaler.step(optimizer)
             self.scaler.update()
 
+    def amp_choice(self) -> str:
+        """The amp and, when auto chose it, why: for the start-up summary."""
+        return f"{self.amp} ({self.reason})" if self.reason else self.amp
+
     def settings(self) -> dict:
         return {"amp": self.amp, "channels_last": self.channels_last, "compile": self.compile}
 
@@ -84,12 +91,42 @@ def _convolutional(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
+def bf16_units(device: torch.device) -> bool:
+    """Whether the device computes bf16 in hardware (else bf16 is emulated: slower than fp32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        # oneDNN's check: avx512_bf16 / AMX (x86) or the bf16 extension (Arm)
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return device.type == "xpu"  # Intel GPUs: bf16 in every generation torch supports
+
+
+def auto_amp(device_type: str, has_bf16_units: bool, bitwise: bool = False) -> tuple[str, str]:
+    """--amp auto: (the amp, the reason the start-up shows). bf16 where the device has bf16
+    units: there it is the fastest math that needs no loss scaling. fp16 is never chosen: it
+    needs a GradScaler (a host sync per step) and can overflow.
+
+    bitwise: --seed promises bitwise-repeatable runs, which oneDNN's bf16 kernels do not give
+    (two identical resnet18 backward passes differ, even on one thread; measured with torch
+    2.14), so a seeded CPU run stays in fp32. CUDA's deterministic algorithms cover bf16."""
+    if device_type == "cpu" and has_bf16_units and bitwise:
+        return "none", "auto: --seed asks for bitwise-repeatable runs, which bf16 on a CPU is not"
+    if device_type in ("cuda", "cpu", "xpu") and has_bf16_units:
+        return "bf16", f"auto: the {device_type} device has bf16 units"
+    if device_type in ("cuda", "cpu", "xpu"):
+        return "none", f"auto: the {device_type} device has no bf16 units (bf16 would be emulated)"
+    return "none", f"auto: bf16 autocast is not chosen on {device_type}"
+
+
 def resolve_precision(
     config: Config, saved_config: dict | None, model: nn.Module, device: torch.device
 ) -> Precision:
     """The run's precision: the flags given, else a resumed checkpoint's, else the defaults."""
     saved = saved_config or {}
-    amp = config.amp or saved.get("amp") or "none"
+    amp = config.amp or saved.get("amp") or "auto"
+    reason = ""
+    if amp == "auto":
+        amp, reason = auto_amp(device.type, bf16_units(device), config.seed is not None)
     channels_last = config.channels_last
     if config.strategy == "fsdp":
         # FSDP2 shards contiguous parameters only; a resumed ddp run's layout gives way.
@@ -101,5 +138,8 @@ def resolve_precision(
     compiled = config.compile if config.compile is not None else saved.get("compile", False)
     if amp == "fp16" and device.type != "cuda":
         raise UserError(f"--amp fp16 needs CUDA (this run is on {device.type}); use --amp bf16")
+    warning = None
+    if amp == "bf16" and device.type == "cpu" and not bf16_units(device):
+        warning = "--amp bf16: this CPU has no bf16 units; bf16 is emulated and slower than fp32"
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
-    return Precision(device.type, amp, bool(channels_last), bool(compiled), scaler)
+    return Precision(device.type, amp, bool(channels_last), bool(compiled), scaler, reason, warning)

@@ -13,7 +13,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ddptrain.dist.env import DistEnv, cpu_group
+from ddptrain.dist.collectives import start_max_on_cpu
+from ddptrain.dist.env import DistEnv
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # A MAX all-reduce of (this minus a step) finds the earliest step any rank reported.
@@ -68,6 +69,6 @@ class StopRequests:
             stop, key = flag.tolist()  # a CPU tensor: no device synchronisation
             self.nonfinite_step = _EARLIEST - key if key else 0
         flag = torch.tensor([self.received, self._nonfinite_key], dtype=torch.int64)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group(), async_op=True)
+        work = start_max_on_cpu(flag, self.env)
         self._pending = (work, flag)
         return stop

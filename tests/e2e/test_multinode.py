@@ -1,0 +1,74 @@
+"""Multi-node on one machine: two torchrun agents (one "node" each) and two srun-started tasks
+(SLURM's variables faked) each equal a single-agent 2-rank run, weight for weight."""
+
+import subprocess
+import sys
+
+import pytest
+from cli import DEADLINE, assert_same_weights, env_with, ok, tiny_args, torchrun, weights
+
+from ddptrain.dist.ports import free_port
+
+
+@pytest.fixture(scope="module")
+def one_agent(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one_agent")
+    ok(torchrun(2, "train", *tiny_args(tiny_data, out)))
+    return weights(out)
+
+
+def run_together(commands: list[list[str]], envs: list[dict]) -> list[subprocess.CompletedProcess]:
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for cmd, env in zip(commands, envs, strict=True)
+    ]
+    done = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=DEADLINE)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            p.kill()
+    return done
+
+
+def test_two_torchrun_agents_equal_one_agent_with_two_ranks(tiny_data, tmp_path, one_agent):
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}"),
+            *("--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"),
+            *("--rdzv-id=ddptrain-test", "--local-addr=127.0.0.1"),
+            *("-m", "ddptrain", "train", *tiny_args(tiny_data, tmp_path)),
+        ]
+        for node in range(2)
+    ]
+    results = run_together(agents, [env_with()] * 2)
+    for result in results:
+        ok(result)
+    assert "2 rank(s) = 2 node(s) x 1" in "".join(r.stdout for r in results)
+    assert_same_weights(weights(tmp_path), one_agent)
+
+
+def test_two_srun_tasks_equal_one_agent_with_two_ranks(tiny_data, tmp_path, one_agent):
+    command = [sys.executable, "-m", "ddptrain", "train", *tiny_args(tiny_data, tmp_path)]
+    port = str(free_port())
+    tasks = [
+        env_with(
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NTASKS="2",
+            SLURM_TASKS_PER_NODE="2",
+            SLURM_JOB_NODELIST="localhost",
+            SLURM_JOB_ID="1234",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        for rank in range(2)
+    ]
+    results = run_together([command, command], tasks)
+    for result in results:
+        ok(result)
+    assert "2 rank(s) = 1 node(s) x 2" in results[0].stdout and not results[1].stdout
+    assert_same_weights(weights(tmp_path), one_agent)
