@@ -24,7 +24,7 @@ from ddptrain.data.loaders import Data, build_data
 from ddptrain.data.synth import ensure_builtin
 from ddptrain.dist.collectives import agree, check_same, from_rank0
 from ddptrain.dist.env import DistEnv, SpawnSlot, init_distributed, teardown_distributed
-from ddptrain.errors import UserError
+from ddptrain.errors import UserError, first_line
 from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.parallelize import Communication, checkpoint_parts, is_sharded, unwrap, wrap
 from ddptrain.model.precision import DTYPES, resolve_precision
@@ -147,6 +147,8 @@ def _train(config: Config, env: DistEnv) -> TrainState:
             if config.evaluate:
                 return _evaluate_only(run, state)
             reporter.start(summary)
+            if env.is_main and env.device.type == "cuda":
+                reporter.info(_plan(config, env, loaders.num_classes, precision.amp))
             return trainer.fit(run, state)
         finally:
             reporter.close()
@@ -177,6 +179,27 @@ def _summary(config, env, loaders, precision, parameters, steps_per_epoch, resum
         "out dir": str(config.out_dir),
         "start": f"resumed from {resume}" if resume else f"fresh, epoch {config.start_epoch}",
     }
+
+
+def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
+    """The planner's line for this run on its device: whether it fits, and if not, what would
+    (a traced step on fake tensors, seconds). Only on CUDA, where the device's memory is known."""
+    from ddptrain.tools.plan import plan_line
+
+    memory = torch.cuda.get_device_properties(env.device.index).total_memory
+    try:
+        return plan_line(
+            config.arch,
+            num_classes,
+            env.world_size,
+            config.batch_size // env.world_size,
+            config.image_size,
+            amp,
+            config.strategy,
+            memory,
+        )
+    except Exception as err:  # planning is advice: a model it cannot trace still trains
+        return f"plan: not available ({first_line(err)})"
 
 
 def _backend_name(env: DistEnv) -> str:
