@@ -34,7 +34,7 @@ def measure(arch: str, per_rank_batch: int, image_size: int, num_classes: int) -
     torch.manual_seed(0)
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     device = torch.device("cpu")
-    config = Config(arch=arch, image_size=image_size, device="cpu")
+    config = Config(arch=arch, image_size=image_size, device="cpu", amp="none")  # as planned
     model = build_model(arch, num_classes, image_size, pretrained=False)
     precision = resolve_precision(config, None, model, device)
     model = DistributedDataParallel(precision.place(model, device), gradient_as_bucket_view=True)

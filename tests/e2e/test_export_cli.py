@@ -68,7 +68,8 @@ def test_a_failed_export_is_one_line_and_leaves_the_earlier_files(trained, expor
 def test_eval_with_pretrained_export_matches_eval_of_the_checkpoint(
     tiny_data, trained, exported, tmp_path
 ):
-    common = (tiny_data, "--image-size", "16", "-b", "8", "-j", "0")
+    # One precision for both: --resume keeps the checkpoint's, --pretrained takes --amp auto's.
+    common = (tiny_data, "--image-size", "16", "-b", "8", "-j", "0", "--amp", "none")
     ok(
         ddptrain(
             "eval", *common, "--resume", trained / "checkpoint.pt", "--out-dir", tmp_path / "a"

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ddptrain.dist.collectives import start_max_on_cpu
 from ddptrain.dist.env import DistEnv
+from ddptrain.errors import Stopped
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # A MAX all-reduce of (this minus a step) finds the earliest step any rank reported.
@@ -29,6 +30,9 @@ class StopRequests:
         self.received = 0  # the signal number this rank got, 0 for none
         # Steps trained since the last checkpoint (set by the trainer): what a stop saves.
         self.unsaved = False
+        # Inside the step loop (set by the trainer): a step boundary, where ranks agree, is
+        # at most a step away.
+        self.in_step_loop = False
         # The first global step with a non-finite loss that any rank saw (0: none), as of the
         # previous boundary: `report_nonfinite` rides the same all-reduce as the signals.
         self.nonfinite_step = 0
@@ -48,8 +52,13 @@ class StopRequests:
             self._pending[0].wait()  # leave no collective in flight behind a finished run
 
     def _on_signal(self, signum: int, frame) -> None:
-        # Never an exit of this rank alone: the next boundary's agreement stops every rank.
+        # In the step loop, never an exit of this rank alone: the next boundary's agreement
+        # stops every rank. Outside it with nothing to save (setting up, or stalled before the
+        # first step), no boundary may come: end this rank now, as the launcher asked.
         self.received = self.received or signum
+        if not self.unsaved and not self.in_step_loop:
+            name = signal.Signals(signum).name
+            raise Stopped(signum, f"stopped by {name}: nothing trained since the last checkpoint")
 
     def report_nonfinite(self, global_step: int) -> None:
         """This rank saw a non-finite loss at global_step (read at a print step)."""

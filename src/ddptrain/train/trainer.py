@@ -245,6 +245,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
     batches = iter(run.data.train_loader)
     reporter.begin_epoch(epoch, config.epochs, first, steps)
     faults.maybe_stall(env.rank)
+    run.stop.in_step_loop = True
     for step in range(first + 1, steps + 1):
         faults.kill_point("between", state.global_step + 1)
         signum = run.stop.agreed()
@@ -290,6 +291,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
         if every and state.global_step % every == 0 and step < steps:
             state.train_sums = _finite(run, state, sums.totals(env) + carried)
             save(run, state)
+    run.stop.in_step_loop = False
     reporter.end_epoch()
     elapsed = time.perf_counter() - start
     new = _finite(run, state, sums.totals(env))
