@@ -37,11 +37,15 @@ class Preloaded:
         self.steps = self.steps_by_epoch[epoch]
 
 
-def train_epochs(run_parts: tuple, epochs: int) -> list[float]:
-    """samples/s of each of `epochs` epochs of trainer.train_epoch over trainer.Run(*run_parts,
-    stop requests)."""
-    with StopRequests(run_parts[1]) as stop:
-        run = Run(*run_parts, stop)
+def train_epochs(
+    config, env, feed, model, optimizer, scheduler, precision, epochs: int
+) -> list[float]:
+    """samples/s of each of `epochs` epochs of trainer.train_epoch: nothing shown, recorded or
+    saved, so only the training steps are timed."""
+    quiet = Reporter(env, None, "none")
+    with StopRequests(env) as stop:
+        parts = (config, env, feed, model, optimizer, scheduler, quiet, 0, precision, None)
+        run = Run(*parts, stop)
         return [train_epoch(run, e, TrainState(epoch=e))["samples_per_sec"] for e in range(epochs)]
 
 
@@ -80,19 +84,7 @@ def main() -> None:
     model = precision.place(model, env.device)
     optimizer, scheduler = build_optimizer(model, config)
     feed = Data(batches, Preloaded([steps] * args.epochs), [], 0, loaders.class_to_idx)
-    parts = (
-        config,
-        env,
-        feed,
-        model,
-        optimizer,
-        scheduler,
-        Reporter(env, None, "none"),
-        0,
-        precision,
-        None,
-    )
-    rates = train_epochs(parts, args.epochs)
+    rates = train_epochs(config, env, feed, model, optimizer, scheduler, precision, args.epochs)
     print(json.dumps({"samples_per_sec": rates, "threads": torch.get_num_threads()}))
 
 

@@ -23,7 +23,6 @@ from ddptrain.dist.env import init_distributed, teardown_distributed
 from ddptrain.model.build import build_model
 from ddptrain.model.parallelize import wrap
 from ddptrain.model.precision import resolve_precision
-from ddptrain.report.reporter import Reporter
 from ddptrain.train.optim import build_optimizer
 
 TARGET = 1.9
@@ -59,19 +58,7 @@ def rank_main(batch: int, image_size: int, steps: int, sync: bool) -> None:
             model = wrap(model, env, gpu_pinned=False)
         optimizer, scheduler = build_optimizer(model, config)
         feed = Data(batches, Preloaded([WARMUP_STEPS, steps]), [], 0, {})
-        parts = (
-            config,
-            env,
-            feed,
-            model,
-            optimizer,
-            scheduler,
-            Reporter(env, None, "none"),
-            0,
-            precision,
-            None,
-        )
-        rates = train_epochs(parts, 2)
+        rates = train_epochs(config, env, feed, model, optimizer, scheduler, precision, 2)
         if env.is_main:
             print(json.dumps({"samples_per_sec": rates, "threads": torch.get_num_threads()}))
     finally:
