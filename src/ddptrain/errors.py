@@ -96,32 +96,46 @@ def _peer_lost(err: BaseException) -> str | None:
 
 
 def report_errors(action: Callable[[], object]) -> int:
-    """Run action and turn the failures a user can act on into one line and an exit code.
-
-    User mistakes exit 2 (like argparse); a lost peer exits 1; a stop on SIGTERM or SIGUSR1
-    exits 128 + the signal's number once the checkpoint is saved. Anything else is a bug and
-    keeps its traceback.
-    """
+    """Run action and turn the failures a user can act on into one line and an exit code (see
+    `report`); anything else is a bug and keeps its traceback."""
     try:
         action()
-    except UserError as err:
-        print(f"ddptrain: error: {one_line(err)}", file=sys.stderr, flush=True)
-        return 2
-    except Stopped as stop:
-        print(f"ddptrain: {stop}", file=sys.stderr, flush=True)
-        return stop.exit_code
-    except Exception as err:
-        reason = _peer_lost(err)
-        if reason is None:
+    except BaseException as err:
+        code = report(err)
+        if code is None:
             raise
-        print(
-            "ddptrain: error: lost contact with another rank, which failed or stalled (see its "
-            f"output; --dist-timeout sets how long ranks wait for each other) ({reason})",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 1
-    except KeyboardInterrupt:
-        print("ddptrain: interrupted", file=sys.stderr, flush=True)
-        return 130
+        return code
     return 0
+
+
+def report(err: BaseException) -> int | None:
+    """Prints the one line for a failure the user can act on and returns its exit code, or None
+    for anything else. Prints once per error, however many callers report it.
+
+    User mistakes exit 2 (like argparse); a lost peer exits 1; a stop on SIGTERM or SIGUSR1
+    exits 128 + the signal's number once the checkpoint is saved; Ctrl-C exits 130.
+    """
+    reported = getattr(err, "_ddptrain_exit_code", None)
+    if reported is not None:
+        return reported
+    code, line = _exit_line(err)
+    if code is not None:
+        print(line, file=sys.stderr, flush=True)
+        err._ddptrain_exit_code = code
+    return code
+
+
+def _exit_line(err: BaseException) -> tuple[int | None, str]:
+    if isinstance(err, UserError):
+        return 2, f"ddptrain: error: {one_line(err)}"
+    if isinstance(err, Stopped):
+        return err.exit_code, f"ddptrain: {err}"
+    if isinstance(err, KeyboardInterrupt):
+        return 130, "ddptrain: interrupted"
+    reason = _peer_lost(err) if isinstance(err, Exception) else None
+    if reason is None:
+        return None, ""
+    return 1, (
+        "ddptrain: error: lost contact with another rank, which failed or stalled (see its "
+        f"output; --dist-timeout sets how long ranks wait for each other) ({reason})"
+    )

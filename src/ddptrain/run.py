@@ -24,7 +24,7 @@ from ddptrain.data.loaders import Data, build_data
 from ddptrain.data.synth import ensure_builtin
 from ddptrain.dist.collectives import agree, check_same, from_rank0
 from ddptrain.dist.env import DistEnv, SpawnSlot, init_distributed, teardown_distributed
-from ddptrain.errors import UserError, first_line
+from ddptrain.errors import UserError, first_line, report
 from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.parallelize import Communication, checkpoint_parts, is_sharded, unwrap, wrap
 from ddptrain.model.precision import DTYPES, resolve_precision
@@ -61,6 +61,11 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
     env = init_distributed(config, slot)
     try:
         return _train(config, env)
+    except BaseException as err:
+        # The line goes out before the teardown: a launcher ends the other ranks as soon as
+        # one exits, and every rank that failed should have said why by then.
+        report(err)
+        raise
     finally:
         unlock_out_dir()  # taken in _train
         teardown_distributed()

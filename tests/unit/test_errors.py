@@ -1,6 +1,6 @@
 import pytest
 
-from ddptrain.errors import UserError, one_line, report_errors
+from ddptrain.errors import UserError, one_line, report, report_errors
 
 
 def test_user_errors_become_one_line_and_exit_2(capsys):
@@ -9,6 +9,18 @@ def test_user_errors_become_one_line_and_exit_2(capsys):
 
     assert report_errors(fail) == 2
     assert capsys.readouterr().err == "ddptrain: error: --arch: unknown architecture 'x'\n"
+
+
+def test_an_error_reported_early_is_not_printed_again(capsys):
+    # run.train reports before its teardown; the CLI's report_errors sees the same error after.
+    error = UserError("the loss became non-finite at global step 2")
+
+    def fail():
+        assert report(error) == 2
+        raise error
+
+    assert report_errors(fail) == 2
+    assert capsys.readouterr().err.count("ddptrain: error:") == 1
 
 
 def test_loader_worker_errors_lose_the_worker_traceback():

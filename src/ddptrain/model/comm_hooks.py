@@ -8,11 +8,14 @@ broken there and is not offered).
 PowerSGD on gloo runs with one bucket (parallelize.py): with several, the ranks issued its
 chained all-reduces in different orders. Its state (step count, generator, low-rank memories,
 each rank's error feedback) is checkpointed and restored exactly, but a resumed run is not
-bitwise the uninterrupted one: DDP rebuilds its bucket in the gradients' ready order after a
-process's first step, so the resumed first step sees another layout than the saved state's
-(measured: 1.5e-3 max weight difference two steps after a resume on a small convnet, no less
-than with the state dropped). find_unused_parameters would keep the first layout, but its
-extra all-reduce interleaves with PowerSGD's on gloo and mismatches.
+bitwise the uninterrupted one. The saved memories and error feedback are flat tensors laid out
+in the bucket order DDP builds after a process's first step (the gradients' ready order); the
+first step of a new process has another order. Fed the saved state, that step mixes up the
+parameters' errors and memories, and training goes non-finite within two steps. So the first
+step after a resume is a plain all-reduce (what PowerSGD itself does before
+start_powerSGD_iter, for the same reason), and PowerSGD goes on from the next step with the
+saved state. find_unused_parameters would keep the first layout, but its extra all-reduce
+interleaves with PowerSGD's on gloo and mismatches.
 """
 
 import numpy as np
@@ -83,6 +86,9 @@ class PowerSGDCheckpoint(Stateful):
     def load_state_dict(self, saved: dict) -> None:
         s, device = self.state, self.env.device
         s.iter = int(saved["iter"])
+        # This process's first step has DDP's first bucket layout, not the saved state's: it
+        # all-reduces plainly, and its iter count brings PowerSGD back from the next step.
+        s.start_powerSGD_iter = max(s.start_powerSGD_iter, s.iter + 1)
         rng = saved["rng"]
         keys = rng["keys"].numpy().astype(np.uint32)
         s.rng.set_state(
