@@ -19,14 +19,30 @@ def _entry(fn, rank, world, port, results, args):
                 "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
             )
         env = DistEnv(rank, world, rank, world, torch.device("cpu"))
-        value = fn(env, *args)
-        # A tensor would travel as shared memory that dies with this process: send its bytes.
-        results.put((rank, value.numpy() if isinstance(value, torch.Tensor) else value, None))
+        results.put((rank, _as_arrays(fn(env, *args)), None))
     except BaseException:
         results.put((rank, None, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _as_arrays(value):
+    """A tensor would travel as shared memory that dies with this process (its exit then raced
+    the queue's feeder: "Resource deadlock avoided"): send arrays, in tuples and lists too."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().numpy()
+    if isinstance(value, (tuple, list)):
+        return type(value)(map(_as_arrays, value))
+    return value
+
+
+def _as_tensors(value):
+    if hasattr(value, "dtype") and hasattr(value, "shape"):
+        return torch.from_numpy(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(map(_as_tensors, value))
+    return value
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 120) -> list:
@@ -46,7 +62,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 120) -> list:
             rank, value, error = results.get(timeout=timeout)
             if error:
                 raise AssertionError(f"rank {rank} failed:\n{error}")
-            collected[rank] = torch.from_numpy(value) if hasattr(value, "dtype") else value
+            collected[rank] = _as_tensors(value)
     except queue.Empty:
         raise AssertionError(f"ranks did not finish within {timeout} s") from None
     finally:
