@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         commands.add_parser("export", help="a checkpoint's weights as .safetensors + .json")
     )
     _add_plan_flags(commands.add_parser("plan", help="per-rank memory of a run, ddp against fsdp"))
+    convert = commands.add_parser("convert", help="a sharded checkpoint folder as one file")
+    convert.add_argument("source", type=Path, metavar="SRC", help="checkpoint-<step>.dcp folder")
+    convert.add_argument("destination", type=Path, metavar="DST", help="the checkpoint file (.pt)")
     return top
 
 
@@ -159,8 +162,8 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
 
 def parse(argv: list[str] | None = None) -> tuple[str, object]:
     """Returns ("train", Config) for train and eval, ("synth", (SynthSpec, OUT)) for synth,
-    ("plot", (RUN_DIRs, out or None)), ("export", (CKPT, out)), ("check", {"data", "workers",
-    "max_image_pixels"}) and ("plan", PlanRequest)."""
+    ("plot", (RUN_DIRs, out or None)), ("export", (CKPT, out)), ("convert", (SRC, DST)),
+    ("check", {"data", "workers", "max_image_pixels"}) and ("plan", PlanRequest)."""
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     launcher_local_rank = args.pop("launcher_local_rank")
@@ -170,6 +173,8 @@ def parse(argv: list[str] | None = None) -> tuple[str, object]:
         return command, (args["run_dirs"], args["out"])
     if command == "export":
         return command, (args["checkpoint"], args["out"])
+    if command == "convert":
+        return command, (args["source"], args["destination"])
     if command == "synth":
         out = args.pop("out")
         spec = SynthSpec(**{k: v for k, v in args.items()})
@@ -219,6 +224,13 @@ def _run(argv: list[str] | None) -> None:
         print(
             f"wrote {out} and {sidecar_path(out)} ({model['arch']}, {model['num_classes']} classes)"
         )
+        return
+    if command == "convert":
+        from ddptrain.state.sharded import convert
+
+        source, destination = options
+        saved = convert(source, destination)
+        print(f"wrote {destination} ({saved['arch']}, global step {saved['global_step']})")
         return
     if command == "plan":
         from ddptrain.tools.plan import run as plan

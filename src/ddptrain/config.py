@@ -18,6 +18,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps", "xpu")
 BACKENDS = ("gloo", "nccl", "xccl", "mpi", "ucc")
 AMP = ("auto", "none", "bf16", "fp16")
 STRATEGIES = ("ddp", "fsdp")
+CHECKPOINT_FORMATS = ("full", "sharded")
 BAD_IMAGES = ("error", "skip")
 # PIL's own default limit (1024 * 1024 * 1024 // 4 // 3): about a 9,500 px square.
 MAX_IMAGE_PIXELS = 89_478_485
@@ -146,6 +147,12 @@ class Config:
     # Numbered checkpoints kept, so a damaged newest one has a predecessor.
     keep_last: int = _flag(
         2, "numbered checkpoints to keep in --out-dir (model_best.pt is kept apart)", metavar="K"
+    )
+    checkpoint_format: str = _flag(
+        "full",
+        "full: one file, gathered on rank 0; sharded: a folder in which each rank writes its own "
+        "shards (for models too big to gather on one host; `ddptrain convert` makes the file)",
+        choices=CHECKPOINT_FORMATS,
     )
     # None: the resumed checkpoint's setting, else auto / on for convolutional models / off.
     amp: str | None = _flag(

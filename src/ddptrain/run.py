@@ -128,7 +128,16 @@ def _train(config: Config, env: DistEnv) -> TrainState:
     if ema is not None:
         parts["model_ema"] = ema
     parts.update(checkpoint_parts(model, env))  # PowerSGD's state under --ddp-comm-hook powersgd
-    checkpointer = Checkpointer(env, out_dir, unwrap(model), parts, meta, record, config.keep_last)
+    checkpointer = Checkpointer(
+        env,
+        out_dir,
+        unwrap(model),
+        parts,
+        meta,
+        record,
+        config.keep_last,
+        sharded_format=config.checkpoint_format == "sharded",
+    )
     state = _restore(checkpointer, saved, scheduler, config, steps_per_epoch)
     if precision.compile:
         model = torch.compile(model)

@@ -25,6 +25,10 @@ def _entry(fn, rank, world, port, results, args):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # The result is sent before this process exits: a process holding two DDP models with
+        # PowerSGD hooks sometimes aborts at exit inside torch ("Resource deadlock avoided").
+        results.close()
+        results.join_thread()
 
 
 def _as_arrays(value):

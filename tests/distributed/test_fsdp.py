@@ -38,8 +38,9 @@ def full_weights(checkpointer: Checkpointer):
     return torch.cat([v.flatten() for v in state.values()]) if checkpointer.env.is_main else None
 
 
-def train_epoch(env, root, out_dir, strategy, resume=None):
-    """One epoch (2 steps of global batch 12) from scratch or from `resume`, then a checkpoint."""
+def train_epoch(env, root, out_dir, strategy, resume=None, sharded_format=False):
+    """One epoch (2 steps of global batch 12) from scratch or from `resume`, then a checkpoint
+    (a DCP folder with sharded_format)."""
     out_dir.mkdir(exist_ok=True)
     config = Config(data=str(root), batch_size=12, workers=0, image_size=16)
     loaders = build_data(config, env, root, seed=11)
@@ -47,7 +48,9 @@ def train_epoch(env, root, out_dir, strategy, resume=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 30)
     parts = training_parts(unwrap(model), optimizer, scheduler, env, sharded=is_sharded(model))
-    checkpointer = Checkpointer(env, out_dir, unwrap(model), parts, META, {}, keep_last=5)
+    checkpointer = Checkpointer(
+        env, out_dir, unwrap(model), parts, META, {}, keep_last=5, sharded_format=sharded_format
+    )
     state = TrainState() if resume is None else checkpointer.restore(load(resume))
     loaders.train_sampler.set_epoch(state.epoch)
     step = trainer.Step(model, optimizer)

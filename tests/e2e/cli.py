@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ddptrain.dist.ports import free_port
+from ddptrain.state import sharded
 
 DEADLINE = 240  # seconds: a hang fails the test instead of stalling CI
 
@@ -175,6 +176,9 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
 
 def training_state(out_dir) -> dict:
+    """The newest checkpoint in out_dir, a sharded one gathered into the single-file dict."""
+    if (out_dir / sharded.LATEST).exists():
+        return sharded.to_single(out_dir / sharded.LATEST)
     return torch.load(out_dir / "checkpoint.pt", weights_only=True)
 
 

@@ -4,6 +4,8 @@ The tiny run of test_kills.py: 24 images, global batch 8, 3 steps an epoch, 2 ep
 checkpoint every 2 steps and at each epoch's end.
 """
 
+import shutil
+
 import pytest
 from cli import (
     assert_same_training,
@@ -43,6 +45,44 @@ def test_a_killed_fsdp_rank_restarts_and_ends_bitwise_equal(
     assert marker.exists(), "the fault never fired"
     assert f"resumed from {out}/checkpoint-{resumed_at:09d}.pt" in result.stdout
     assert_same_training(uninterrupted, out)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_sharded(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp-sharded")
+    ok(torchrun(2, *args(tiny_data, out, *SHARDED)))
+    assert training_state(out)["global_step"] == 6
+    return out
+
+
+SHARDED = ("--checkpoint-format", "sharded")
+
+
+def test_a_killed_rank_restarts_from_its_sharded_checkpoint_bitwise_equal(
+    tiny_data, tmp_path, uninterrupted_sharded
+):
+    out, marker = tmp_path / "run", tmp_path / "killed"
+    env = {"DDPTRAIN_TEST_KILL": "data:1:5", "DDPTRAIN_TEST_KILL_ONCE": str(marker)}
+    result = ok(torchrun(2, *args(tiny_data, out, *SHARDED), env=env, restarts=2))
+    assert marker.exists(), "the fault never fired"
+    assert f"resumed from {out}/checkpoint-000000004.dcp" in result.stdout
+    assert_same_training(uninterrupted_sharded, out)
+    assert not list(out.glob(".checkpoint-*"))  # no temp folder left by the killed save
+
+
+def test_a_sharded_checkpoint_missing_a_shard_stops_every_rank(
+    tiny_data, tmp_path, uninterrupted_sharded
+):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted_sharded, out, symlinks=True)
+    for folder in out.glob("checkpoint-*.dcp"):
+        (folder / "__1_0.distcp").unlink()
+    result = timed(lambda: torchrun(2, *args(tiny_data, out, *SHARDED, "--epochs", 3)))
+    assert_user_error(result, "no usable checkpoint", traceback_allowed=True)  # torchrun's
+    assert "ddptrain: error: --resume auto: no usable checkpoint" in result.stderr  # rank 0
+    assert "ddptrain: error: another rank failed while setting up" in result.stderr  # rank 1
+    skipped = "checkpoint-000000006.dcp is damaged: its shard __1_0.distcp is missing"
+    assert f"warning: --resume auto: skipping {out}/{skipped}" in result.stderr
 
 
 def test_an_fsdp_checkpoint_evaluated_in_one_process_gives_the_logged_counts(

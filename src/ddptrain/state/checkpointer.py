@@ -4,7 +4,8 @@ Called on EVERY rank. Each part (model, optimizer, scheduler, gradient scaler, E
 state_dict on every rank, because under fsdp the full tensors are gathered to rank 0 by a
 collective; under ddp the same calls are local and give rank 0 its own copy. Rank 0 writes the
 single file (state/files.py: atomic, numbered, retained); the other ranks learn whether it
-succeeded, so a failed write ends every rank.
+succeeded, so a failed write ends every rank. In the sharded format (state/sharded.py) the model
+and optimizer stay as the ranks hold them and each rank writes its own shards.
 
 The file holds (DESIGN.md): `model` (plain state dict, no wrapper prefixes, CPU tensors),
 `optimizer` (keyed by parameter name), `scheduler`, the run counters of `TrainState` (`epoch`,
@@ -28,11 +29,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from ddptrain.dist.collectives import agree, broadcast_buffers
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
-from ddptrain.state import files
+from ddptrain.state import files, sharded
 
 # 2: the schedule steps per optimizer step (1: per epoch).
 FORMAT_VERSION = 2
@@ -82,7 +84,16 @@ class ModelState(Stateful):
     def state_dict(self) -> dict:
         return get_model_state_dict(self.model, options=_GATHER)
 
-    def load_state_dict(self, state: dict) -> None:
+    def local_state_dict(self) -> dict:
+        """As this rank holds it: its shards under fsdp (what a sharded checkpoint writes)."""
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state) -> None:
+        if isinstance(state, sharded.Stored):
+            own = self.local_state_dict()
+            state.load_into(own)
+            set_model_state_dict(self.model, own)
+            return
         set_model_state_dict(self.model, self._mine(state), options=_loading(self.sharded))
 
     def _mine(self, state: dict) -> dict:
@@ -101,7 +112,17 @@ class OptimizerState(ModelState):
     def state_dict(self) -> dict:
         return get_optimizer_state_dict(self.model, self.optimizer, options=_GATHER)
 
-    def load_state_dict(self, state: dict) -> None:
+    def local_state_dict(self) -> dict:
+        # A fresh optimizer's state is created here (a step with zero gradients and lr 0), so
+        # that a sharded load has tensors to fill.
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state) -> None:
+        if isinstance(state, sharded.Stored):
+            own = self.local_state_dict()
+            state.load_into(own)
+            set_optimizer_state_dict(self.model, self.optimizer, own)
+            return
         options = _loading(self.sharded)
         set_optimizer_state_dict(self.model, self.optimizer, self._mine(state), options=options)
 
@@ -140,9 +161,11 @@ class Checkpointer:
         meta: dict,
         record: dict,
         keep_last: int,
+        sharded_format: bool = False,
     ):
         self.env, self.out_dir, self.model = env, out_dir, model
         self.parts, self.meta, self.record, self.keep_last = parts, meta, record, keep_last
+        self.sharded_format = sharded_format
 
     def gather(self, state: TrainState) -> dict:
         """The checkpoint of the run at `state`, whole on rank 0 (empty parts elsewhere). A
@@ -155,18 +178,45 @@ class Checkpointer:
 
     def save(self, state: TrainState, is_best: bool = False) -> None:
         """Writes checkpoint-<step>.pt (and model_best.pt when is_best) from rank 0, with
-        config.json beside it. A collective: a failed write ends every rank."""
+        config.json beside it; the sharded format writes checkpoint-<step>.dcp from every
+        rank. A collective: a failed write ends every rank."""
+        if self.sharded_format:
+            return self._save_sharded(state, is_best)
         checkpoint = self.gather(state)
 
         def write() -> None:
             if self.env.is_main:
                 _check_finite(checkpoint, state)
                 files.save(self.out_dir, checkpoint, is_best, self.keep_last)
-                # Written with the checkpoint, not before: a run that fails early changes nothing.
-                config_json = json.dumps(self.record, indent=2).encode()
-                files.atomic_write(self.out_dir / "config.json", config_json)
+                self._write_config()
 
         agree(self.env, write, doing="writing a checkpoint")
+
+    def _save_sharded(self, state: TrainState, is_best: bool) -> None:
+        broadcast_buffers(self.model, self.env)  # as in gather
+        tensors = {name: self.parts[name].local_state_dict() for name in sharded.SHARDED_PARTS}
+        rest = {n: p.state_dict() for n, p in self.parts.items() if n not in tensors}
+        rest = {"format_version": FORMAT_VERSION, **rest, **state.state_dict(), **self.meta}
+
+        def prepare() -> None:
+            _check_finite({"model": _local(tensors["model"])}, state)  # each rank its shards
+            if self.env.is_main:
+                sharded.prepare(self.out_dir, state.global_step)
+
+        agree(self.env, prepare, doing="writing a checkpoint")
+        sharded.write_shards(tensors, self.out_dir, state.global_step)
+
+        def commit() -> None:
+            if self.env.is_main:
+                sharded.commit(self.out_dir, rest, is_best, self.keep_last)
+                self._write_config()
+
+        agree(self.env, commit, doing="writing a checkpoint")
+
+    def _write_config(self) -> None:
+        # Written with the checkpoint, not before: a run that fails early changes nothing.
+        config_json = json.dumps(self.record, indent=2).encode()
+        files.atomic_write(self.out_dir / "config.json", config_json)
 
     def restore(self, checkpoint: dict, skip: set[str] = frozenset()) -> TrainState:
         """Loads every part the checkpoint holds but those in `skip` (check_fits has passed on
@@ -176,6 +226,11 @@ class Checkpointer:
             if name in checkpoint and name not in skip:
                 part.load_state_dict(checkpoint[name])
         return TrainState.from_checkpoint(checkpoint)
+
+
+def _local(state: dict) -> dict:
+    """This rank's own part of each tensor (a DTensor's shard), to check without collectives."""
+    return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
 
 
 def _check_finite(checkpoint: dict, state: TrainState) -> None:
@@ -205,19 +260,45 @@ def check_compatible(checkpoint: dict, path: Path, arch: str, class_to_idx: dict
 def check_fits(checkpoint: dict, path: Path, model: nn.Module) -> None:
     """The saved weights and optimizer state match the (unwrapped) model's names and shapes."""
     own = model.state_dict()
-    saved = checkpoint["model"]
+    saved = _shapes(checkpoint["model"])
     problems = [f"missing {k}" for k in own if k not in saved]
     problems += [f"unexpected {k}" for k in saved if k not in own]
     problems += [
-        f"{k} is {tuple(saved[k].shape)} in the checkpoint, {tuple(v.shape)} in the model"
+        f"{k} is {saved[k]} in the checkpoint, {tuple(v.shape)} in the model"
         for k, v in own.items()
-        if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape
+        if saved.get(k) is not None and saved[k] != tuple(v.shape)
     ]
-    optimizer_state = checkpoint.get("optimizer", {}).get("state", {})
     parameters = dict(model.named_parameters())
-    problems += [f"optimizer state for unknown {k}" for k in optimizer_state if k not in parameters]
+    problems += [
+        f"optimizer state for unknown {k}"
+        for k in _optimizer_state_names(checkpoint.get("optimizer", {}), parameters)
+        if k not in parameters
+    ]
     if problems:
         shown = "; ".join(problems[:3]) + (
             f"; and {len(problems) - 3} more" if problems[3:] else ""
         )
         raise UserError(f"--resume: {path} does not fit this model: {shown}")
+
+
+def _shapes(model_state) -> dict[str, tuple[int, ...] | None]:
+    """Each saved key's shape (None for a non-tensor entry), from a state dict or on disk."""
+    if isinstance(model_state, sharded.Stored):
+        return model_state.shapes()
+    return {
+        k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in model_state.items()
+    }
+
+
+def _optimizer_state_names(optimizer_state, parameters: dict) -> set[str]:
+    """The parameter names the saved optimizer state is for."""
+    if not isinstance(optimizer_state, sharded.Stored):
+        return set(optimizer_state.get("state", {}))
+    # On disk the keys are "state.<parameter name>.<state name>": match the known names first.
+    names = set()
+    for key in optimizer_state.shapes():
+        if key.startswith("state."):
+            rest = key.removeprefix("state.")
+            known = [p for p in parameters if rest.startswith(f"{p}.")]
+            names.add(max(known, key=len) if known else rest.rsplit(".", 1)[0])
+    return names

@@ -2,7 +2,9 @@
 
 Every save writes `checkpoint-<global step>.pt`, then points `checkpoint.pt` at it and deletes
 the oldest beyond --keep-last. `model_best.pt` is a separate copy. What a checkpoint holds is the
-Checkpointer's business (state/checkpointer.py).
+Checkpointer's business (state/checkpointer.py). Sharded checkpoints are folders
+(`checkpoint-<global step>.dcp`, state/sharded.py) numbered, retained, resolved and loaded here
+with the files.
 """
 
 import contextlib
@@ -24,7 +26,7 @@ from ddptrain import faults
 from ddptrain.errors import UserError, WriteFailed, first_line, format_bytes, write_failed
 
 LATEST, BEST = "checkpoint.pt", "model_best.pt"
-NUMBERED = re.compile(r"checkpoint-(\d+)\.pt")
+NUMBERED = re.compile(r"checkpoint-(\d+)\.(pt|dcp)")
 
 
 def _umask() -> int:
@@ -49,7 +51,7 @@ def atomic_write(path: Path, data: bytes, before_rename: Callable[[], None] | No
         if before_rename is not None:
             before_rename()
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException as err:
         if tmp is not None:
             with contextlib.suppress(OSError):  # a failing disk may refuse this too
@@ -59,7 +61,7 @@ def atomic_write(path: Path, data: bytes, before_rename: Callable[[], None] | No
         raise
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # make renames and deletions in it durable
@@ -79,7 +81,7 @@ def _link_latest(numbered: Path, latest: Path) -> None:
         return
     try:
         os.replace(tmp, latest)
-        _fsync_dir(latest.parent)
+        fsync_dir(latest.parent)
     except OSError as err:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
@@ -87,8 +89,9 @@ def _link_latest(numbered: Path, latest: Path) -> None:
 
 
 def numbered(out_dir: Path) -> list[Path]:
-    """The numbered checkpoints in out_dir, newest (highest global step) first."""
-    found = [p for p in out_dir.glob("checkpoint-*.pt") if NUMBERED.fullmatch(p.name)]
+    """The numbered checkpoints in out_dir (files and sharded folders), newest (highest global
+    step) first."""
+    found = [p for p in out_dir.glob("checkpoint-*") if NUMBERED.fullmatch(p.name)]
     return sorted(found, key=lambda p: int(NUMBERED.fullmatch(p.name)[1]), reverse=True)
 
 
@@ -114,19 +117,34 @@ def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None
             "with --resume auto"
         ) from None
     for old in numbered(out_dir)[keep_last:]:
-        old.unlink(missing_ok=True)
+        remove(old)
+
+
+def remove(path: Path) -> None:
+    """A checkpoint file, or a sharded checkpoint's folder."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 # Temp files of every write into the out-dir (atomic_write's `.NAME.*.tmp`, _link_latest's
 # `.checkpoint.pt.PID.link`); the out-dir may be a user's working directory, so only these names.
-STALE_TEMP_FILES = (".checkpoint*", f".{BEST}.*.tmp", ".config.json.*.tmp", ".metrics.jsonl.*.tmp")
+# Sharded saves leave `.checkpoint-<step>.dcp.tmp` folders and `.model_best.dcp.tmp|old` copies.
+STALE_TEMP_FILES = (
+    ".checkpoint*",
+    f".{BEST}.*.tmp",
+    ".model_best.dcp.*",
+    ".config.json.*.tmp",
+    ".metrics.jsonl.*.tmp",
+)
 
 
 def remove_stale_temp_files(out_dir: Path) -> None:
     """Temp files of writes that a crash interrupted before their rename: never checkpoints."""
     for pattern in STALE_TEMP_FILES:
         for tmp in out_dir.glob(pattern):
-            tmp.unlink(missing_ok=True)
+            remove(tmp)
 
 
 # A save holds, at its peak, the kept numbered checkpoints, the one being written, and (when val
@@ -180,7 +198,7 @@ def resolve(resume: str | None, out_dir: Path) -> Path | None:
         return None
     if resume != "auto":
         path = Path(resume)
-        if not path.is_file():
+        if not path.exists():  # a folder is a sharded checkpoint: load says if it is not
             raise UserError(f"--resume: no checkpoint at {path}")
         return path
     tried: list[Path] = []
@@ -201,6 +219,8 @@ def resolve(resume: str | None, out_dir: Path) -> Path | None:
 def weights_finite(checkpoint: dict) -> bool:
     """Whether every floating-point tensor of the model (and its EMA) is finite."""
     states = [checkpoint.get("model", {}), checkpoint.get("model_ema", {}).get("model", {})]
+    # A sharded checkpoint's weights stay on disk (each rank checked its own before the save).
+    states = [state for state in states if isinstance(state, dict)]
     return all(
         bool(torch.isfinite(t).all())
         for state in states
@@ -239,6 +259,10 @@ def safe_load(path: Path, what: str, mmap: bool = False) -> object:
 
 
 def load(path: Path, mmap: bool = False) -> dict:
+    if path.is_dir():
+        from ddptrain.state import sharded  # it writes through this module
+
+        return sharded.read(path)
     _verify(path)
     checkpoint = safe_load(path, "ddptrain checkpoint", mmap=mmap)
     if not isinstance(checkpoint, dict) or "model" not in checkpoint:

@@ -13,7 +13,7 @@ from safetensors.torch import save
 
 from ddptrain.data.transforms import MEAN, STD
 from ddptrain.errors import UserError
-from ddptrain.state import files
+from ddptrain.state import files, sharded
 
 SUFFIX = ".safetensors"
 
@@ -28,9 +28,11 @@ def export(checkpoint_path: Path, out: Path) -> dict:
         raise UserError(f"export: --out {out} must end in {SUFFIX} (W.json goes beside it)")
     if not out.parent.is_dir():
         raise UserError(f"export: --out {out}: no directory {out.parent}")
-    if not checkpoint_path.is_file():
+    if not checkpoint_path.exists():
         raise UserError(f"export: no checkpoint at {checkpoint_path}")
-    checkpoint = files.load(checkpoint_path)
+    # A sharded folder is gathered here, in this one process, as `ddptrain convert` does.
+    load = sharded.to_single if checkpoint_path.is_dir() else files.load
+    checkpoint = load(checkpoint_path)
     description = describe(checkpoint, checkpoint_path)
     # safetensors stores each tensor's bytes in row-major order: views must be made whole.
     tensors = {name: tensor.contiguous() for name, tensor in checkpoint["model"].items()}

@@ -1,0 +1,277 @@
+"""Sharded checkpoints (--checkpoint-format sharded): one DCP folder per save, each rank writing
+the shards it holds, so no host ever gathers the whole model.
+
+`checkpoint-<global step>.dcp/` holds torch.distributed.checkpoint's shard files and `.metadata`
+(the model and optimizer, as the ranks hold them) and `state.pt`: everything else of the
+checkpoint (counters, scheduler, run metadata), small plain data that rank 0 writes. A save goes
+into a temp folder renamed into place once every rank's shards and state.pt are in it, so a
+crash or a failed write never leaves a partial checkpoint under a checkpoint's name.
+`checkpoint.dcp` links to the newest, `model_best.dcp` is a copy. DCP reshards on load: a folder
+saved on N ranks resumes on any number, under fsdp or ddp.
+
+A checkpoint folder is a file a user hands us, and DCP reads `.metadata` with plain pickle and its
+non-tensor items with torch.load(weights_only=False): both go through readers here that accept
+plain data only (DCP's own metadata classes, torch sizes and dtypes), never code.
+"""
+
+import contextlib
+import io
+import os
+import pickle
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+
+from ddptrain.errors import UserError, first_line, write_failed
+from ddptrain.state import files
+
+SUFFIX = ".dcp"
+STATE, METADATA = "state.pt", ".metadata"
+LATEST, BEST = f"checkpoint{SUFFIX}", f"model_best{SUFFIX}"
+# The parts DCP writes shard by shard; the rest of a checkpoint goes in state.pt.
+SHARDED_PARTS = ("model", "optimizer")
+
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+}
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata: its own dataclasses and enums, torch sizes, dtypes and layouts,
+    paths. Anything else (a function, a class of another module) is refused by name."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (
+            module == dcp_metadata.__name__
+            or (module, name) in _ALLOWED
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+        return super().find_class(module, name)
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        return read_metadata(Path(self.path))
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DCP's planner, but its non-tensor items (an optimizer's hyperparameters, a step count)
+    load as plain data only: its own load_bytes unpickles them with weights_only=False."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        *parents, last = self.mappings[read_item.dest_index.fqn]  # where the item sits
+        container = self.original_state_dict
+        for key in parents:
+            container = container[key]
+        container[last] = loaded
+
+
+def read_metadata(folder: Path) -> dcp_metadata.Metadata:
+    path = folder / METADATA
+    try:
+        with path.open("rb") as f:
+            metadata = _PlainDataUnpickler(f).load()
+    except FileNotFoundError:
+        raise UserError(f"{folder} is damaged: its {METADATA} is missing") from None
+    except pickle.UnpicklingError as err:
+        if not str(err).startswith("GLOBAL "):
+            raise UserError(f"{path} is damaged ({first_line(err)})") from None
+        raise UserError(
+            f"{path} is not a readable checkpoint metadata file: it refers to "
+            f"{str(err).removeprefix('GLOBAL ')}, and ddptrain loads only plain data, never code"
+        ) from None
+    except Exception as err:
+        raise UserError(f"{path} is damaged ({first_line(err)})") from None
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise UserError(f"{path} is not DCP metadata")
+    if metadata.storage_meta is None:
+        metadata.storage_meta = dcp_metadata.StorageMeta()
+    return metadata
+
+
+@dataclass
+class Stored:
+    """A part of a sharded checkpoint, still on disk: what `load_into` reads into a state dict
+    of this process's own layout (DCP reshards), and the full shapes check_fits compares."""
+
+    folder: Path
+    part: str  # "model" or "optimizer"
+    metadata: dcp_metadata.Metadata
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full tensor shapes by key inside the part ("conv1.weight", "state.fc.bias.step")."""
+        prefix = f"{self.part}."
+        return {
+            key.removeprefix(prefix): tuple(item.size)
+            for key, item in self.metadata.state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(item, dcp_metadata.TensorStorageMetadata)
+        }
+
+    def load_into(self, state_dict: dict) -> None:
+        """Fills state_dict (this rank's tensors, sharded or whole) in place. A collective
+        where a process group exists."""
+        with warnings.catch_warnings():  # one process: "assuming the intent is to load in a..."
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(
+                {self.part: state_dict},
+                storage_reader=_SafeReader(self.folder),
+                planner=_SafePlanner(),
+            )
+
+
+def read(folder: Path) -> dict:
+    """A sharded checkpoint's state.pt, with its model and optimizer as `Stored` parts. Checks
+    that the metadata is readable and every shard file it names is there, whole."""
+    metadata = read_metadata(folder)
+    ends: dict[str, int] = {}
+    for item in metadata.storage_data.values():
+        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+    for name, end in ends.items():
+        try:
+            size = (folder / name).stat().st_size
+        except OSError:
+            raise UserError(f"{folder} is damaged: its shard {name} is missing") from None
+        if size < end:
+            raise UserError(f"{folder} is damaged: its shard {name} is truncated")
+    state_path = folder / STATE
+    if not state_path.is_file():
+        raise UserError(f"{folder} is damaged: its {STATE} is missing")
+    checkpoint = files.safe_load(state_path, "ddptrain checkpoint")
+    if not isinstance(checkpoint, dict):
+        raise UserError(f"{state_path} is not a ddptrain checkpoint")
+    return {**checkpoint, **{part: Stored(folder, part, metadata) for part in SHARDED_PARTS}}
+
+
+def temp_folder(out_dir: Path, global_step: int) -> Path:
+    return out_dir / f".checkpoint-{global_step:09d}{SUFFIX}.tmp"
+
+
+def prepare(out_dir: Path, global_step: int) -> None:
+    """Rank 0, before the ranks write: an empty temp folder for this save."""
+    tmp = temp_folder(out_dir, global_step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+    except OSError as err:
+        raise write_failed(tmp, err) from None
+
+
+def write_shards(tensors: dict, out_dir: Path, global_step: int) -> None:
+    """Every rank writes its shards of `tensors` into the save's temp folder. DCP's collectives
+    gather the plan and every rank's outcome: one rank's failed write fails it on every rank."""
+    tmp = temp_folder(out_dir, global_step)
+    try:
+        with warnings.catch_warnings():  # one process: "assuming the intent is to save in a..."
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(tensors, storage_writer=FileSystemWriter(tmp))
+    except Exception as err:
+        raise UserError(
+            f"cannot write the sharded checkpoint {tmp}: {first_line(err)}; the checkpoints "
+            "written before it are intact: fix that, then continue with --resume auto"
+        ) from None
+
+
+def commit(out_dir: Path, rest: dict, is_best: bool, keep_last: int) -> Path:
+    """Rank 0, once every rank's shards are in the temp folder: writes state.pt, renames the
+    folder into place, links checkpoint.dcp to it, copies it to model_best.dcp when is_best, and
+    deletes the oldest checkpoints beyond keep_last."""
+    step = rest["global_step"]
+    tmp = temp_folder(out_dir, step)
+    buffer = io.BytesIO()
+    torch.save(rest, buffer)
+    files.atomic_write(tmp / STATE, buffer.getvalue())
+    path = out_dir / f"checkpoint-{step:09d}{SUFFIX}"
+    files.remove(path)  # the same step saved again, after a restart
+    os.replace(tmp, path)
+    files.fsync_dir(out_dir)
+    _link(path, out_dir / LATEST)
+    if is_best:
+        _copy_folder(path, out_dir / BEST)
+    for old in files.numbered(out_dir)[keep_last:]:
+        files.remove(old)
+    return path
+
+
+def _link(target: Path, link: Path) -> None:
+    """A relative symlink renamed into place: readers see the old one or the new one."""
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.link")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target.name, tmp)
+    os.replace(tmp, link)
+
+
+def _copy_folder(source: Path, destination: Path) -> None:
+    """The copy is written beside destination and swapped in; a crash between the two renames
+    leaves the old copy as `.NAME.old`, which the next run's start removes."""
+    tmp, old = (destination.with_name(f".{destination.name}.{s}") for s in ("tmp", "old"))
+    for stale in (tmp, old):
+        shutil.rmtree(stale, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(destination, old)
+    os.replace(tmp, destination)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def to_single(folder: Path) -> dict:
+    """The whole checkpoint, loaded in this one process, as the single-file format holds it
+    (`ddptrain convert`)."""
+    checkpoint = read(folder)
+    metadata = checkpoint["model"].metadata
+    flat = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        if isinstance(item, dcp_metadata.TensorStorageMetadata)
+        else None  # a non-tensor item: the planner puts what it reads in its place
+        for key, item in metadata.state_dict_metadata.items()
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(flat, storage_reader=_SafeReader(folder), planner=_SafePlanner(), no_dist=True)
+    nested: dict = {}
+    for key, value in flat.items():
+        *parents, last = metadata.planner_data[key]  # the item's place in the saved dicts
+        container = nested
+        for part in parents:
+            container = container.setdefault(part, {})
+        container[last] = value
+    return {**checkpoint, **{part: _with_lists(nested[part]) for part in SHARDED_PARTS}}
+
+
+def _with_lists(value):
+    """Dicts keyed 0..n-1 back into the lists they were (an optimizer's param_groups)."""
+    if not isinstance(value, dict):
+        return value
+    value = {k: _with_lists(v) for k, v in value.items()}
+    if value and all(isinstance(k, int) for k in value):
+        return [value[i] for i in sorted(value)]
+    return value
+
+
+def convert(source: Path, destination: Path) -> dict:
+    """`ddptrain convert SRC DST`: a sharded checkpoint folder as one checkpoint file, which
+    --resume, --evaluate and export take like any other. Returns the checkpoint."""
+    if not source.is_dir():
+        raise UserError(f"convert: {source} is not a sharded checkpoint folder")
+    if destination.suffix != ".pt":
+        raise UserError(f"convert: DST {destination} must end in .pt")
+    if not destination.parent.is_dir():
+        raise UserError(f"convert: DST {destination}: no directory {destination.parent}")
+    checkpoint = to_single(source)
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    files.atomic_write(destination, buffer.getvalue())
+    return checkpoint

@@ -1,0 +1,119 @@
+"""Sharded checkpoint folders in one process: numbering, retention, resume auto, convert, and
+the files a user may hand over damaged or hostile."""
+
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+import torchvision
+from test_checkpoint import ONE, meta, trained_model
+
+from ddptrain.config import Config
+from ddptrain.errors import UserError
+from ddptrain.state import files, sharded
+from ddptrain.state.checkpointer import Checkpointer, TrainState, check_fits, training_parts
+from ddptrain.train.optim import build_optimizer
+
+
+def sharded_checkpointer(out_dir, model, optimizer, scheduler, keep_last=2):
+    parts = training_parts(model, optimizer, scheduler, ONE)
+    return Checkpointer(ONE, out_dir, model, parts, meta(), {}, keep_last, sharded_format=True)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A trained resnet18 saved sharded at global steps 10 and 20: (out_dir, model, optimizer)."""
+    model, optimizer, scheduler = trained_model()
+    saver = sharded_checkpointer(tmp_path, model, optimizer, scheduler)
+    saver.save(TrainState(epoch=1, global_step=10))
+    saver.save(TrainState(epoch=2, global_step=20, best_acc1=7.5), is_best=True)
+    return tmp_path, model, optimizer
+
+
+def test_a_save_is_a_numbered_folder_linked_and_retained(saved):
+    out_dir, _, _ = saved
+    model, optimizer, scheduler = trained_model()
+    sharded_checkpointer(out_dir, model, optimizer, scheduler).save(TrainState(global_step=30))
+    names = [p.name for p in files.numbered(out_dir)]
+    assert names == ["checkpoint-000000030.dcp", "checkpoint-000000020.dcp"]  # keep_last 2
+    assert os.readlink(out_dir / sharded.LATEST) == "checkpoint-000000030.dcp"
+    assert (out_dir / sharded.BEST / sharded.STATE).is_file()
+    assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".")]
+
+
+def test_restore_and_convert_give_back_what_was_saved(saved):
+    out_dir, model, optimizer = saved
+    resume = files.resolve("auto", out_dir)
+    assert resume.name == "checkpoint-000000020.dcp"
+    fresh = torchvision.models.get_model("resnet18", num_classes=3)
+    fresh_optimizer, fresh_scheduler = build_optimizer(fresh, Config(lr=0.1))
+    restorer = sharded_checkpointer(out_dir, fresh, fresh_optimizer, fresh_scheduler)
+    state = restorer.restore(files.load(resume))
+    assert (state.epoch, state.global_step, state.best_acc1) == (2, 20, 7.5)
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    momentum = {k: v["momentum_buffer"] for k, v in optimizer.state_dict()["state"].items()}
+    restored = fresh_optimizer.state_dict()["state"]
+    assert all(torch.equal(restored[k]["momentum_buffer"], v) for k, v in momentum.items())
+    single = sharded.convert(resume, out_dir / "one.pt")
+    loaded = files.load(out_dir / "one.pt")
+    assert loaded["global_step"] == single["global_step"] == 20
+    assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
+    assert loaded["optimizer"]["param_groups"][0]["lr"] == optimizer.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda f: (f / "__0_0.distcp").unlink(), "its shard __0_0.distcp is missing"),
+        (lambda f: os.truncate(f / "__0_0.distcp", 100), "its shard __0_0.distcp is truncated"),
+        (lambda f: (f / ".metadata").unlink(), "its .metadata is missing"),
+        (lambda f: (f / "state.pt").unlink(), "its state.pt is missing"),
+        (lambda f: (f / ".metadata").write_bytes(b"not a pickle"), ".metadata is damaged"),
+    ],
+)
+def test_a_damaged_folder_is_named_and_resume_auto_falls_back(saved, capsys, damage, message):
+    out_dir, _, _ = saved
+    newest = out_dir / "checkpoint-000000020.dcp"
+    damage(newest)
+    with pytest.raises(UserError, match=message):
+        files.load(newest)
+    assert files.resolve("auto", out_dir).name == "checkpoint-000000010.dcp"
+    assert f"skipping {newest}" in capsys.readouterr().err
+
+
+class _Planted:
+    def __reduce__(self):
+        return (os.mkdir, (MARKER,))
+
+
+MARKER = "/tmp/ddptrain-sharded-metadata-ran-code"
+
+
+def test_metadata_that_would_run_code_is_refused(saved):
+    out_dir, _, _ = saved
+    folder = out_dir / "checkpoint-000000020.dcp"
+    shutil.rmtree(MARKER, ignore_errors=True)
+    (folder / ".metadata").write_bytes(pickle.dumps(_Planted()))
+    with pytest.raises(UserError, match="refers to posix.mkdir.*never code"):
+        files.load(folder)
+    assert not os.path.exists(MARKER)
+
+
+def test_a_folder_of_another_arch_is_named_before_loading(saved):
+    out_dir, _, _ = saved
+    folder = out_dir / "checkpoint-000000020.dcp"
+    other = torchvision.models.get_model("resnet34", num_classes=3)
+    with pytest.raises(UserError, match="does not fit this model: missing layer1.2"):
+        check_fits(files.load(folder), folder, other)
+    check_fits(files.load(folder), folder, trained_model()[0])  # its own arch fits
+
+
+def test_convert_names_what_it_cannot_take(saved, tmp_path):
+    out_dir, _, _ = saved
+    with pytest.raises(UserError, match="is not a sharded checkpoint folder"):
+        sharded.convert(out_dir / "nothing", tmp_path / "x.pt")
+    with pytest.raises(UserError, match="must end in .pt"):
+        sharded.convert(out_dir / "checkpoint-000000020.dcp", tmp_path / "x.bin")
