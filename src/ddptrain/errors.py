@@ -83,7 +83,7 @@ _PEER_LOST = (
 )
 
 
-def _peer_lost(err: BaseException) -> str | None:
+def peer_lost(err: BaseException) -> str | None:
     """What says a peer is gone, or None when err is something else."""
     import torch.distributed as dist
 
@@ -132,10 +132,11 @@ def _exit_line(err: BaseException) -> tuple[int | None, str]:
         return err.exit_code, f"ddptrain: {err}"
     if isinstance(err, KeyboardInterrupt):
         return 130, "ddptrain: interrupted"
-    reason = _peer_lost(err) if isinstance(err, Exception) else None
+    reason = peer_lost(err) if isinstance(err, Exception) else None
     if reason is None:
         return None, ""
+    where = "".join(f"; {note}" for note in getattr(err, "__notes__", ()))
     return 1, (
         "ddptrain: error: lost contact with another rank, which failed or stalled (see its "
-        f"output; --dist-timeout sets how long ranks wait for each other) ({reason})"
+        f"output; --dist-timeout sets how long ranks wait for each other) ({reason}){where}"
     )

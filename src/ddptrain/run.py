@@ -24,7 +24,8 @@ from ddptrain.data.loaders import Data, build_data
 from ddptrain.data.synth import ensure_builtin
 from ddptrain.dist.collectives import agree, check_same, from_rank0
 from ddptrain.dist.env import DistEnv, SpawnSlot, init_distributed, teardown_distributed
-from ddptrain.errors import UserError, first_line, report
+from ddptrain.dist.phases import Phases
+from ddptrain.errors import UserError, first_line, peer_lost, report
 from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.parallelize import Communication, checkpoint_parts, is_sharded, unwrap, wrap
 from ddptrain.model.precision import DTYPES, resolve_precision
@@ -59,19 +60,23 @@ from ddptrain.train.schedule import fast_forward
 def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
     """Runs the configured job on this process. Importable: any launcher can call it."""
     env = init_distributed(config, slot)
+    phases = Phases(env)
     try:
-        return _train(config, env)
+        return _train(config, env, phases)
     except BaseException as err:
+        if peer_lost(err) and (stalled := phases.stalled()):
+            err.add_note(stalled)  # which ranks did not arrive, and where they were
         # The line goes out before the teardown: a launcher ends the other ranks as soon as
         # one exits, and every rank that failed should have said why by then.
         report(err)
         raise
     finally:
+        phases.close()
         unlock_out_dir()  # taken in _train
         teardown_distributed()
 
 
-def _train(config: Config, env: DistEnv) -> TrainState:
+def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
     config.check_batch_divides(env.world_size)
     out_dir = Path(config.out_dir)
     if not config.evaluate:  # one run per out-dir, before anything reads or writes it
@@ -156,6 +161,7 @@ def _train(config: Config, env: DistEnv) -> TrainState:
             stop=stop,
             criterion=build_criterion(config, loaders.num_classes),
             ema=ema,
+            phases=phases,
         )
         try:
             if config.evaluate:

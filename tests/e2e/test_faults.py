@@ -1,4 +1,5 @@
-"""A rank that stalls must not stall the job: the others give up after --dist-timeout."""
+"""A rank that stalls must not stall the job: the others give up after --dist-timeout, and
+their error names the stalled rank and where it was (the stall sits at its first data fetch)."""
 
 import time
 
@@ -21,6 +22,7 @@ def test_a_stalled_rank_ends_the_job_under_torchrun(tiny_data, tmp_path):
     args = (*tiny_args(tiny_data, tmp_path), "--dist-timeout", TIMEOUT)
     result = ends_in_time(lambda: torchrun(2, "train", *args, env=stall))
     assert "ddptrain: error: lost contact with another rank" in result.stderr
+    assert "; rank 1 was last in data fetch of global step 1 (" in result.stderr
 
 
 def test_a_stalled_rank_ends_the_job_under_multiprocessing(tiny_data, tmp_path):
@@ -29,4 +31,5 @@ def test_a_stalled_rank_ends_the_job_under_multiprocessing(tiny_data, tmp_path):
     spawn = ("--multiprocessing-distributed", "--nproc-per-node", "2")
     result = ends_in_time(lambda: ddptrain("train", *args, *spawn, env=stall))
     assert "ddptrain: error: lost contact with another rank" in result.stderr
+    assert "; rank 1 was last in data fetch of global step 1 (" in result.stderr
     assert "Traceback" not in result.stderr

@@ -4,6 +4,7 @@ import contextlib
 import random
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from ddptrain.data.loaders import Data
 from ddptrain.data.sampler import PADDING
 from ddptrain.dist.collectives import broadcast_buffers
 from ddptrain.dist.env import DistEnv
+from ddptrain.dist.phases import Phases
 from ddptrain.errors import Stopped, UserError
 from ddptrain.model.parallelize import is_sharded, no_gradient_sync, unwrap
 from ddptrain.model.precision import Precision
@@ -53,8 +55,10 @@ class Step:
         accum_steps: int = 1,
         clip_grad_norm: float | None = None,
         skip_nonfinite: bool = False,
+        mark: Callable[[str], None] | None = None,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.mark = mark or (lambda phase: None)  # where the step is, for a stall's error
         self.precision = precision or Precision()
         self.criterion = criterion or nn.CrossEntropyLoss()
         self.accum_steps, self.clip_grad_norm = accum_steps, clip_grad_norm
@@ -115,12 +119,14 @@ class Step:
         for i, (micro_images, micro_target) in enumerate(chunks):
             last = i == self.accum_steps - 1
             with contextlib.nullcontext() if last else no_gradient_sync(self.model):
+                self.mark("forward")
                 loss, output = self.forward(micro_images, micro_target)
                 if i == 0:
                     # The last step's gradients go just before the first backward, as the
                     # classic loop does (what `ddptrain plan` traces); under DDP they are views
                     # into its buckets, which live for the whole run anyway.
                     self.optimizer.zero_grad(set_to_none=True)
+                self.mark("backward")  # DDP's all-reduce runs inside it
                 self.backward(loss)
             losses.append(loss.detach())
             outputs.append(output)
@@ -128,6 +134,7 @@ class Step:
         if self.skipped:
             self.optimizer.zero_grad(set_to_none=True)  # the update dropped on every rank
         else:
+            self.mark("optimizer step")
             self.clip()
             self.optimizer_step()
         self.schedule()
@@ -181,6 +188,7 @@ class Run:
     criterion: Criterion | None = None  # None: plain cross-entropy
     ema: ModelEma | None = None
     skipped: int = 0  # steps whose update --nonfinite skip dropped in this run
+    phases: Phases | None = None  # None: no record of where this rank is
 
     def step(self) -> Step:
         return Step(
@@ -192,7 +200,12 @@ class Run:
             self.config.accum_steps,
             self.config.clip_grad_norm,
             skip_nonfinite=self.config.nonfinite == "skip",
+            mark=None if self.phases is None else self.phases.within_step,
         )
+
+    def mark(self, phase: str, global_step: int) -> None:
+        if self.phases is not None:
+            self.phases.enter(phase, global_step)
 
 
 def _reseed(seed: int, epoch: int, step: int, rank: int) -> None:
@@ -207,6 +220,7 @@ def _reseed(seed: int, epoch: int, step: int, rank: int) -> None:
 
 def save(run: Run, state: TrainState, is_best: bool = False) -> None:
     """A checkpoint of state. A collective: every rank calls it."""
+    run.mark("checkpoint", state.global_step)
     if run.checkpointer is not None:
         run.checkpointer.save(state, is_best)
     run.stop.unsaved = False
@@ -244,10 +258,12 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
     first_bad = torch.zeros((), dtype=torch.int64, device=env.device)
     batches = iter(run.data.train_loader)
     reporter.begin_epoch(epoch, config.epochs, first, steps)
+    run.mark("data fetch", state.global_step + 1)
     faults.maybe_stall(env.rank)
     run.stop.in_step_loop = True
     for step in range(first + 1, steps + 1):
         faults.kill_point("between", state.global_step + 1)
+        run.mark("step agreement", state.global_step + 1)
         signum = run.stop.agreed()
         if run.stop.nonfinite_step:
             _nonfinite(run, run.stop.nonfinite_step)
@@ -255,6 +271,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
             _stop(run, state, sums, carried, signum)
         _reseed(run.seed, epoch, step, env.rank)
         ready = time.perf_counter()
+        run.mark("data fetch", state.global_step + 1)
         images, target = next(batches)
         waiting += time.perf_counter() - ready
         images = run.precision.inputs(images, env.device)
@@ -363,6 +380,7 @@ def fit(run: Run, state: TrainState) -> TrainState:
     for epoch in range(state.epoch, config.epochs):
         lr = run.optimizer.param_groups[0]["lr"]
         train = train_epoch(run, epoch, state)
+        run.mark("evaluation", state.global_step)
         val, val_ema = _validate(run)
         state.epoch, state.epoch_step, state.train_sums = epoch + 1, 0, None
         # model_best.pt follows the better of the model and its average, and says which.
