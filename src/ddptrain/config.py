@@ -313,6 +313,13 @@ class Config:
     tensorboard: bool = _flag(
         False, "also write TensorBoard event files to OUT_DIR/tensorboard", invocation=True
     )
+    profile: int = _flag(
+        0,
+        "rank 0 writes a torch.profiler trace of this many training steps, after one warm-up "
+        "step, to OUT_DIR/profile.json (chrome://tracing, Perfetto)",
+        metavar="STEPS",
+        invocation=True,
+    )
 
     # Not a setting: the fields a config file or a flag gave, which a checkpoint's settings
     # must not replace on resume (config_layers.resumed).
@@ -337,6 +344,7 @@ class Config:
             "--dist-timeout": (self.dist_timeout, 1),
             "--checkpoint-every": (self.checkpoint_every, 0),
             "--keep-last": (self.keep_last, 1),
+            "--profile": (self.profile, 0),
             "--max-image-pixels": (self.max_image_pixels, 1),
         }
         for flag, (value, low) in at_least.items():

@@ -29,6 +29,7 @@ from ddptrain.errors import UserError, first_line, peer_lost, report
 from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.parallelize import Communication, checkpoint_parts, is_sharded, unwrap, wrap
 from ddptrain.model.precision import DTYPES, resolve_precision
+from ddptrain.report.profile import StepProfiler
 from ddptrain.report.records import require_tensorboard
 from ddptrain.report.reporter import Reporter
 from ddptrain.state.checkpointer import (
@@ -162,6 +163,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
             criterion=build_criterion(config, loaders.num_classes),
             ema=ema,
             phases=phases,
+            profiler=_profiler(config, env, out_dir),
         )
         try:
             if config.evaluate:
@@ -171,7 +173,17 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
                 reporter.info(_plan(config, env, loaders.num_classes, precision.amp))
             return trainer.fit(run, state)
         finally:
+            if run.profiler is not None:
+                run.profiler.close()
+                if run.profiler.written:
+                    reporter.info(f"--profile {config.profile}: trace in {run.profiler.path}")
             reporter.close()
+
+
+def _profiler(config: Config, env: DistEnv, out_dir: Path) -> StepProfiler | None:
+    if not config.profile or not env.is_main or config.evaluate:
+        return None
+    return StepProfiler(config.profile, out_dir, env.device)
 
 
 def _summary(config, env, loaders, precision, parameters, steps_per_epoch, resume) -> dict:

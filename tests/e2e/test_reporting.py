@@ -4,6 +4,7 @@ start-up summary, and summary.csv and TensorBoard continued without duplicates a
 
 import csv
 import fcntl
+import json
 import os
 import pty
 import struct
@@ -84,3 +85,12 @@ def test_records_continue_once_each_after_a_restart(tiny_data, tmp_path):
     ok(torchrun(2, *args[:-1], 3))  # one more epoch
     assert [r["epoch"] for r in rows(out)] == ["1", "2", "3"]
     assert scalar_steps(out, "val/acc1") == [3, 6, 9]
+
+
+def test_profile_writes_rank_0s_trace_of_the_steps_asked_for(tiny_data, tmp_path):
+    result = ok(torchrun(2, "train", *tiny_args(tiny_data, tmp_path), "--profile", 2))
+    assert f"--profile 2: trace in {tmp_path / 'profile.json'}" in result.stdout
+    events = json.loads((tmp_path / "profile.json").read_text())["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+    assert len(steps) == 2  # the warm-up step is not recorded
+    assert not list(tmp_path.glob(".profile.json.*"))

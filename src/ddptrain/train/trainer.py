@@ -24,6 +24,7 @@ from ddptrain.errors import Stopped, UserError
 from ddptrain.model.parallelize import is_sharded, no_gradient_sync, unwrap
 from ddptrain.model.precision import Precision
 from ddptrain.report.metrics import Sums, summarize
+from ddptrain.report.profile import StepProfiler
 from ddptrain.report.reporter import Reporter
 from ddptrain.state.checkpointer import Checkpointer, TrainState
 from ddptrain.state.files import numbered
@@ -189,6 +190,7 @@ class Run:
     ema: ModelEma | None = None
     skipped: int = 0  # steps whose update --nonfinite skip dropped in this run
     phases: Phases | None = None  # None: no record of where this rank is
+    profiler: StepProfiler | None = None  # --profile, on rank 0
 
     def step(self) -> Step:
         return Step(
@@ -294,6 +296,8 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
             run.ema.update(unwrap(model), state.global_step)
         run.stop.unsaved = True
         reporter.advance()
+        if run.profiler is not None:
+            run.profiler.step()
         if step % config.print_freq == 0 or step == steps:
             now = time.perf_counter()
             local = sums.summary()  # this rank's running means: a host sync, at print steps only
