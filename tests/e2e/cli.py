@@ -82,8 +82,9 @@ def launch(nproc: int, *args, timeout=DEADLINE) -> subprocess.CompletedProcess:
     return _run(cmd, timeout)
 
 
-def tcp_pair(*args, timeout=DEADLINE) -> list[subprocess.CompletedProcess]:
-    """Two independent invocations meeting at --dist-url tcp://."""
+def tcp_pair(*args, timeout=DEADLINE, rank_args=None) -> list[subprocess.CompletedProcess]:
+    """Two independent invocations meeting at --dist-url tcp://; rank_args: extra arguments of
+    one rank, by rank."""
     url = f"tcp://127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
@@ -98,6 +99,7 @@ def tcp_pair(*args, timeout=DEADLINE) -> list[subprocess.CompletedProcess]:
                 "2",
                 "--rank",
                 str(rank),
+                *map(str, (rank_args or {}).get(rank, ())),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -4,7 +4,7 @@ import shutil
 import time
 
 import pytest
-from cli import ddptrain, ok, tiny_args, torchrun
+from cli import ddptrain, ok, tcp_pair, tiny_args, torchrun
 
 DEADLINE = 60
 
@@ -137,6 +137,23 @@ def test_one_failing_rank_ends_the_other(data, tmp_path):
     )
     assert_user_error(result, str(bad))
     assert not (tmp_path / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_bad_device_on_one_tcp_rank_ends_both_before_the_group_forms(
+    tiny_data, tmp_path, failing
+):
+    # No launcher ends the other invocation; --dist-timeout stays at its 600 s default.
+    start = time.monotonic()
+    bad = {failing: ("--device", "cuda")}  # no CUDA here
+    results = tcp_pair("train", *tiny_args(tiny_data, tmp_path), rank_args=bad, timeout=120)
+    # Seconds of work (two torch imports; 20 s with 5 processes busy on 2 cores), against the
+    # 600 s the other rank waited before.
+    assert time.monotonic() - start < 60
+    assert_user_error(results[failing], "--device cuda: no cuda device is available here")
+    other = results[1 - failing]
+    needle = f"rank {failing}: --device cuda: no cuda device is available here (before the "
+    assert_user_error(other, needle + "process group formed)")
 
 
 def test_pretrained_weights_that_cannot_be_had_offline(tiny_data, tmp_path):

@@ -8,6 +8,8 @@ LOCAL_RANK), srun without torchrun (SLURM_PROCID and the rest, read in slurm.py)
 
 import datetime
 import os
+import time
+import urllib.parse
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +18,7 @@ import torch.distributed as dist
 from ddptrain.config import Config
 from ddptrain.dist import slurm
 from ddptrain.dist.threads import share_cpu_threads
-from ddptrain.errors import UserError
+from ddptrain.errors import UserError, first_line
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,58 @@ def _restart_safe_store(url: str, timeout: datetime.timedelta, rank: int) -> dis
     return dist.PrefixStore(f"ddptrain/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
+_FAILED, _ARRIVED, _SEEN = "ddptrain/failed_before_group", "ddptrain/arrived", "ddptrain/seen"
+
+
+def _tcp_store(url: str, rank: int, world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """The store a --dist-url tcp://HOST:PORT rendezvous would make (rank 0 hosts it)."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme != "tcp" or parsed.hostname is None or parsed.port is None:
+        return None
+    try:
+        return dist.TCPStore(
+            parsed.hostname,
+            parsed.port,
+            world,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as err:
+        raise UserError(
+            f"--dist-url {url}: cannot reach the rendezvous ({first_line(err)})"
+        ) from None
+
+
+def _announce_failure(store: dist.Store, rank: int, world: int, err: Exception) -> None:
+    """Tells the ranks meeting in store why this one will not come; rank 0, whose process holds
+    the store, waits up to a few seconds for them to read it."""
+    try:
+        store.set(_FAILED, f"rank {rank}: {first_line(err)}")
+        deadline = time.monotonic() + 5
+        while rank == 0 and store.add(_SEEN, 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except Exception:  # the store is gone too: the others find out at their timeout
+        pass
+
+
+def _meet(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta) -> None:
+    """Waits until every rank arrived, or one said it failed (then fails too, naming it)."""
+    store.add(_ARRIVED, 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while store.add(_ARRIVED, 0) < world:
+        if store.check([_FAILED]):
+            failed = store.get(_FAILED).decode()
+            store.add(_SEEN, 1)
+            raise UserError(f"{failed} (before the process group formed)")
+        if time.monotonic() > deadline:
+            raise UserError(
+                f"--dist-url: {world - store.add(_ARRIVED, 0)} of {world} ranks did not arrive "
+                f"within --dist-timeout ({timeout.total_seconds():.0f} s)"
+            )
+        time.sleep(0.1)
+
+
 def _backend(config: Config, device: torch.device) -> str:
     backend = config.dist_backend or dist.get_default_backend_for_device(device.type)
     if backend == "nccl" and device.type != "cuda":
@@ -170,20 +224,30 @@ def _backend(config: Config, device: torch.device) -> str:
 
 def init_distributed(config: Config, slot: SpawnSlot | None = None) -> DistEnv:
     rank, world, local_rank, local_world, url = _placement(config, slot)
-    if config.gpu is not None and local_world > 1:
-        raise UserError(
-            f"--gpu {config.gpu} would put all {local_world} processes of this node on one "
-            "device; drop it: each rank takes the device of its local rank"
-        )
-    device = _device(config, local_rank)
-    if device.type != "cpu":
-        torch.accelerator.set_device_index(device.index)
-    share_cpu_threads(local_world, config.workers)
+    timeout = datetime.timedelta(seconds=config.dist_timeout)
+    # Under --dist-url tcp:// no launcher ends the other invocations when one fails: the ranks
+    # meet in a store first, where a rank that fails before the group forms says so.
+    meeting = _tcp_store(url, rank, world, timeout) if world > 1 else None
+    try:
+        if config.gpu is not None and local_world > 1:
+            raise UserError(
+                f"--gpu {config.gpu} would put all {local_world} processes of this node on one "
+                "device; drop it: each rank takes the device of its local rank"
+            )
+        device = _device(config, local_rank)
+        if device.type != "cpu":
+            torch.accelerator.set_device_index(device.index)
+        share_cpu_threads(local_world, config.workers)
+        backend = _backend(config, device) if world > 1 else None
+    except Exception as err:
+        if meeting is not None:
+            _announce_failure(meeting, rank, world, err)
+        raise
     cpu_group = None
     if world > 1:
-        backend = _backend(config, device)
-        timeout = datetime.timedelta(seconds=config.dist_timeout)
-        store = _restart_safe_store(url, timeout, rank)
+        store = meeting or _restart_safe_store(url, timeout, rank)
+        if meeting is not None:
+            _meet(meeting, rank, world, timeout)
         rendezvous = {"init_method": url} if store is None else {"store": store}
         dist.init_process_group(backend, world_size=world, rank=rank, timeout=timeout, **rendezvous)
         if backend != "gloo":
