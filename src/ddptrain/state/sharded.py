@@ -86,7 +86,9 @@ def read_metadata(folder: Path) -> dcp_metadata.Metadata:
         with path.open("rb") as f:
             metadata = _PlainDataUnpickler(f).load()
     except FileNotFoundError:
-        raise UserError(f"{folder} is damaged: its {METADATA} is missing") from None
+        raise UserError(
+            f"{folder} is damaged or not a checkpoint: its {METADATA} is missing"
+        ) from None
     except pickle.UnpicklingError as err:
         if not str(err).startswith("GLOBAL "):
             raise UserError(f"{path} is damaged ({first_line(err)})") from None
