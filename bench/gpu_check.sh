@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Training throughput on one CUDA GPU, for when one is at hand (the tests never need it):
-# resnet50 with --amp bf16 --channels-last, on synthetic data (--dummy: FakeData through the
-# same uint8 path), on a generated JPEG ImageFolder, and from batches preloaded in memory (the
-# compute bound). Prints samples/s for each. About 5 minutes with the venv in place.
+# Training throughput on CUDA GPUs, for when one is at hand (the tests never need it): resnet50
+# with --amp bf16 --channels-last, on synthetic data (--dummy: FakeData through the same uint8
+# path), on a generated JPEG ImageFolder, and from batches preloaded in memory (the compute
+# bound); then, under torchrun on the same JPEG set, --strategy fsdp and, with 2 or more GPUs, 2
+# ranks with each --ddp-comm-hook. Prints samples/s for each, and the total time. With the venv
+# in place: about 5 minutes on one GPU, 7.5 with two or more (estimated, not yet timed on a
+# GPU: each torchrun run adds about 30 s).
 #
 #   bash bench/gpu_check.sh            (from the repository root; PYTHON=... to pick python)
 set -euo pipefail
@@ -21,14 +24,24 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
 
 ARCH=resnet50 BATCH=256 WORKERS=$(( $(nproc) > 2 ? $(nproc) - 2 : 1 ))
-FLAGS=(-a "$ARCH" -b "$BATCH" -j "$WORKERS" --amp bf16 --channels-last --lr 0.1 --device cuda)
+COMMON=(-a "$ARCH" --amp bf16 --lr 0.1 --device cuda)
+FLAGS=("${COMMON[@]}" -b "$BATCH" -j "$WORKERS" --channels-last)
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 
+# The last epoch's samples/s (all ranks) and data wait, from a run's metrics.jsonl: NAME FILE.
+result() {
+    "$PY" -c "
+import json, sys
+train = [r for r in map(json.loads, open(sys.argv[2])) if r['split'] == 'train']
+print(f\"RESULT {sys.argv[1]}: {train[-1]['samples_per_sec']:.0f} samples/s, data wait {100 * train[-1]['data_wait']:.0f}%\")
+" "$1" "$2"
+}
+
 # 1. --dummy: an epoch is ImageNet's size, so it runs for a fixed time; the rate is taken
 # between the last two progress lines (each prints the epoch's running samples/s).
-echo "== $ARCH, --dummy (FakeData, ${WORKERS} workers), 150 s"
-timeout 150 "$PY" -m ddptrain train --dummy "${FLAGS[@]}" --epochs 1 -p 20 \
+echo "== $ARCH, --dummy (FakeData, ${WORKERS} workers), 120 s"
+timeout 120 "$PY" -m ddptrain train --dummy "${FLAGS[@]}" --epochs 1 -p 20 \
     --out-dir "$OUT/dummy" | tee "$OUT/dummy.log" || true
 "$PY" - "$OUT/dummy.log" "$BATCH" <<'PY'
 import re, sys
@@ -48,11 +61,7 @@ from bench import common
 s = common.Scale(train_per_class=1280, val_per_class=32)
 print(common.jpeg_folder(s, processes=os.cpu_count()))")
 "$PY" -m ddptrain train "$DATA" "${FLAGS[@]}" --epochs 3 -p 5 --out-dir "$OUT/jpeg"
-"$PY" -c "
-import json, sys
-train = [r for r in map(json.loads, open(sys.argv[1])) if r['split'] == 'train']
-print(f\"RESULT jpeg: {train[-1]['samples_per_sec']:.0f} samples/s, data wait {100 * train[-1]['data_wait']:.0f}%\")
-" "$OUT/jpeg/metrics.jsonl"
+result jpeg "$OUT/jpeg/metrics.jsonl"
 
 # 3. The same loop fed from memory: the compute bound of the JPEG run.
 echo "== $ARCH, compute bound (batches preloaded)"
@@ -60,3 +69,45 @@ echo "== $ARCH, compute bound (batches preloaded)"
     --epochs 3 --device cuda | tail -n 1 | "$PY" -c "
 import json, sys
 print(f\"RESULT bound: {json.loads(sys.stdin.read())['samples_per_sec'][-1]:.0f} samples/s\")"
+
+# 4 and 5: `ddptrain train` on the JPEG set under torchrun (python -m torch.distributed.run),
+# 3 epochs, the last counts: NAME PROCESSES FLAG... A run that fails or passes 100 s is
+# reported as FAILED and the others go on; the script then exits 1.
+FAILED=0
+torchrun_check() {
+    local name=$1 procs=$2
+    shift 2
+    echo "== $ARCH, $name (torchrun --nproc-per-node $procs)"
+    if timeout 100 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$procs" \
+        -m ddptrain train "$DATA" "$@" --epochs 3 -p 5 --out-dir "$OUT/$name"; then
+        result "$name" "$OUT/$name/metrics.jsonl"
+    else
+        echo "RESULT $name: FAILED (exit $?)"
+        FAILED=1
+    fi
+}
+
+# 4. --strategy fsdp on the one GPU a single process gets. With one process fsdp trains the
+# plain model (nothing to shard): this times that path, in NCHW, since ddptrain's fsdp shards
+# contiguous parameters only and refuses --channels-last (compare with step 2's channels_last).
+torchrun_check fsdp-1 1 "${COMMON[@]}" -b "$BATCH" -j "$WORKERS" --strategy fsdp
+
+# 5. Two ranks, one GPU each, 256 images per GPU (-b is global): plain DDP, each comm hook, and
+# multi-GPU fsdp. NCCL puts one rank per GPU, so this needs 2 GPUs and is skipped with fewer.
+# The count is torch's: `nvidia-smi -L | wc -l` would also count the lines of MIG instances
+# and ignore CUDA_VISIBLE_DEVICES. PowerSGD compresses from its third step (of 30) on.
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -lt 2 ]; then
+    echo "== skipped: 2 ranks (ddp, --ddp-comm-hook bf16|fp16|powersgd, fsdp) need 2 GPUs; $GPUS here"
+else
+    TWO=("${COMMON[@]}" -b $(( 2 * BATCH )) -j $(( WORKERS / 2 > 0 ? WORKERS / 2 : 1 )))
+    torchrun_check ddp-2 2 "${TWO[@]}" --channels-last
+    for hook in bf16 fp16; do
+        torchrun_check "ddp-2-$hook" 2 "${TWO[@]}" --channels-last --ddp-comm-hook "$hook"
+    done
+    torchrun_check ddp-2-powersgd 2 "${TWO[@]}" --channels-last --ddp-comm-hook powersgd \
+        --powersgd-start-step 2
+    torchrun_check fsdp-2 2 "${TWO[@]}" --strategy fsdp
+fi
+echo "== done in $SECONDS s"
+exit "$FAILED"
