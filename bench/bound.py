@@ -37,6 +37,22 @@ class Preloaded:
         self.steps = self.steps_by_epoch[epoch]
 
 
+def random_batches(
+    count: int, per_rank: int, image_size: int, classes: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` batches of random uint8 images and labels, as the train loader yields them (the
+    trainer normalises them on the device)."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (per_rank, 3, image_size, image_size)
+    return [
+        (
+            torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator),
+            torch.randint(0, classes, (per_rank,), generator=generator),
+        )
+        for _ in range(count)
+    ]
+
+
 def train_epochs(
     config, env, feed, model, optimizer, scheduler, precision, epochs: int
 ) -> list[float]:

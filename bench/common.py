@@ -200,10 +200,24 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def ratio_row(name: str, value: float, target: float | None) -> dict:
-    """A ratio and whether it meets its target (None: shown for reference only)."""
-    met = None if target is None else value >= target
-    return {"name": name, "ratio": round(value, 3), "target": target, "met": met}
+def ratio_row(name: str, value: float, target: float | None, op: str = ">=") -> dict:
+    """A ratio and whether it meets its target (None: shown for reference only): at least
+    (">=") or at most ("<=") the target, or "within" the target of 1 (a prediction against
+    what was measured)."""
+    checks = {">=": lambda: value >= target, "<=": lambda: value <= target,
+              "within": lambda: abs(value - 1) <= target}  # fmt: skip
+    met = None if target is None else checks[op]()
+    return {"name": name, "ratio": round(value, 3), "target": target, "op": op, "met": met}
+
+
+def target_text(r: dict) -> str:
+    """A ratio row's target in words ("" for a reference row)."""
+    if r["target"] is None:
+        return ""
+    op = r.get("op", ">=")
+    if op == "within":
+        return f"target 1 +- {r['target']}x"
+    return f"target {op} {r['target']}x"
 
 
 def print_table(title: str, rows: list[dict], ratios: list[dict]) -> None:
@@ -214,7 +228,7 @@ def print_table(title: str, rows: list[dict], ratios: list[dict]) -> None:
         print(f"  {r['name']:<{width}}  {r['median']:9.1f} {r['unit']}  (runs: {runs})")
     for r in ratios:
         verdict = "met" if r["met"] else "NOT met"
-        note = "reference" if r["target"] is None else f"target >= {r['target']}x: {verdict}"
+        note = "reference" if r["target"] is None else f"{target_text(r)}: {verdict}"
         print(f"  {r['name']:<{width}}  {r['ratio']:9.2f}x  ({note})")
 
 

@@ -16,7 +16,7 @@ import json
 import torch
 
 from bench import common
-from bench.bound import Preloaded, train_epochs
+from bench.bound import Preloaded, random_batches, train_epochs
 from ddptrain.config import Config
 from ddptrain.data.loaders import Data
 from ddptrain.dist.env import init_distributed, teardown_distributed
@@ -42,15 +42,8 @@ def rank_main(batch: int, image_size: int, steps: int, sync: bool) -> None:
     env = init_distributed(config)
     try:
         per_rank = batch // env.world_size
-        generator = torch.Generator().manual_seed(env.rank)
-        shape = (per_rank, 3, image_size, image_size)
-        batches = [
-            (
-                torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator),
-                torch.randint(0, CLASSES, (per_rank,), generator=generator),
-            )
-            for _ in range(max(steps, WARMUP_STEPS))
-        ]
+        count = max(steps, WARMUP_STEPS)
+        batches = random_batches(count, per_rank, image_size, CLASSES, seed=env.rank)
         model = build_model("resnet18", CLASSES, image_size, pretrained=False)
         precision = resolve_precision(config, None, model, env.device)
         model = precision.place(model, env.device)
