@@ -17,10 +17,18 @@ def test_the_size_check_leaves_batchnorm_statistics_as_built():
     assert int(model.bn1.num_batches_tracked) == 0
 
 
-@pytest.mark.parametrize(("arch", "size"), [("vit_b_32", 32), ("inception_v3", 224)])
+@pytest.mark.parametrize(("arch", "size"), [("vit_b_32", 40), ("inception_v3", 224)])
 def test_an_arch_that_cannot_take_the_crop_size_is_a_user_error(arch, size):
     with pytest.raises(UserError, match=f"--arch {arch} does not run on {size} px"):
         build_model(arch, 3, size, pretrained=False)
+
+
+def test_a_vit_is_built_for_the_crop_size():
+    # 32 px crops: one 32 px patch (vit_b_32) or 4 of 16 px (vit_b_16), not 224's 49 or 196.
+    for arch, patches in (("vit_b_32", 1), ("vit_b_16", 4)):
+        model = build_model(arch, 3, 32, pretrained=False)
+        assert model.encoder.pos_embedding.shape[1] == patches + 1  # and the class token
+        assert model(torch.zeros(1, 3, 32, 32)).shape == (1, 3)
 
 
 def test_auxiliary_heads_train_with_their_loss():

@@ -30,7 +30,16 @@ def build_model(arch: str, num_classes: int, image_size: int, pretrained: bool |
     """
     # Only torchvision's own weights expect it (pretrained=True; a str is a file of ours).
     extra = {"transform_input": True} if pretrained is True and arch in TRANSFORM_INPUT else {}
-    model = torchvision.models.get_model(arch, num_classes=num_classes, **extra)
+    if arch.startswith("vit_") and not pretrained:
+        # A ViT's position embedding is sized for its image size (224 unless told): build it
+        # for the crops it will see. Published weights are for 224 px only.
+        extra["image_size"] = image_size
+    try:
+        model = torchvision.models.get_model(arch, num_classes=num_classes, **extra)
+    except AssertionError as err:  # a ViT for crops its patches do not divide
+        raise UserError(
+            f"--arch {arch} does not run on {image_size} px crops (--image-size): {first_line(err)}"
+        ) from None
     # A no-grad forward changes only buffers (BatchNorm statistics): keep those, not the weights.
     as_built = [buffer.clone() for buffer in model.buffers()]
     try:
