@@ -23,12 +23,12 @@ def _entry(fn, rank, world, port, results, args):
     except BaseException:
         results.put((rank, None, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        # The result is sent before this process exits: a process holding two DDP models with
-        # PowerSGD hooks sometimes aborts at exit inside torch ("Resource deadlock avoided").
+        # The result is sent before the teardown: a process that held two DDP models with
+        # PowerSGD hooks sometimes aborted there inside torch ("Resource deadlock avoided").
         results.close()
         results.join_thread()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _as_arrays(value):

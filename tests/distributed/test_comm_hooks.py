@@ -119,11 +119,14 @@ def test_powersgd_state_goes_through_the_checkpointer_rank_by_rank(tmp_path):
     assert not torch.equal(errors[0], errors[1])  # each rank got its own error feedback back
 
 
-def resumed_powersgd(env, out_dir: str) -> tuple[torch.Tensor, list[float]]:
-    """4 PowerSGD steps, a checkpoint, and 4 more in a fresh DDP that restored it."""
+def first_four_powersgd_steps(env, out_dir: str) -> None:
     model, optimizer = model_and_optimizer(env, "powersgd")
     train_steps(model, optimizer, env, range(4))
     checkpointer(model, optimizer, env, Path(out_dir)).save(TrainState(global_step=4))
+
+
+def resumed_powersgd(env, out_dir: str) -> tuple[torch.Tensor, list[float]]:
+    """4 more steps in new processes, from the checkpoint of the first 4, as a restart does."""
     fresh, fresh_optimizer = model_and_optimizer(env, "powersgd")
     checkpointer(fresh, fresh_optimizer, env, Path(out_dir)).restore(load(Path(out_dir) / LATEST))
     losses = train_steps(fresh, fresh_optimizer, env, range(4, 8))
@@ -137,8 +140,10 @@ def uninterrupted_powersgd(env) -> torch.Tensor:
 
 
 def test_a_resumed_powersgd_run_stays_close_to_the_uninterrupted_one(tmp_path):
-    # The fresh DDP's first step has another bucket layout than the saved state's; fed that
-    # state, training went non-finite two steps after the resume.
+    # A resumed run continues close to the uninterrupted one. The bug where a resumed
+    # resnet18 went non-finite (the first step's bucket layout does not fit the saved state) does
+    # not show on this small model: tests/e2e/test_comm_hook_cli.py is the one that caught it.
+    run_ranks(first_four_powersgd_steps, 2, str(tmp_path))
     weights, losses = run_ranks(resumed_powersgd, 2, str(tmp_path))[0]
     uninterrupted = run_ranks(uninterrupted_powersgd, 2)[0]
     assert all(torch.isfinite(torch.tensor(losses)))
