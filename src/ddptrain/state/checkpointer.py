@@ -89,12 +89,17 @@ class ModelState(Stateful):
         return get_model_state_dict(self.model)
 
     def load_state_dict(self, state) -> None:
+        """A plain state dict (rank 0's is broadcast under fsdp), or a sharded checkpoint's part
+        read into this rank's own layout."""
         if isinstance(state, sharded.Stored):
             own = self.local_state_dict()
             state.load_into(own)
-            set_model_state_dict(self.model, own)
-            return
-        set_model_state_dict(self.model, self._mine(state), options=_loading(self.sharded))
+            self._set(own, StateDictOptions())
+        else:
+            self._set(self._mine(state), _loading(self.sharded))
+
+    def _set(self, state: dict, options: StateDictOptions) -> None:
+        set_model_state_dict(self.model, state, options=options)
 
     def _mine(self, state: dict) -> dict:
         """What this rank passes in: a copy (the call consumes the dict it is given); under fsdp
@@ -117,14 +122,8 @@ class OptimizerState(ModelState):
         # that a sharded load has tensors to fill.
         return get_optimizer_state_dict(self.model, self.optimizer)
 
-    def load_state_dict(self, state) -> None:
-        if isinstance(state, sharded.Stored):
-            own = self.local_state_dict()
-            state.load_into(own)
-            set_optimizer_state_dict(self.model, self.optimizer, own)
-            return
-        options = _loading(self.sharded)
-        set_optimizer_state_dict(self.model, self.optimizer, self._mine(state), options=options)
+    def _set(self, state: dict, options: StateDictOptions) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
 
 
 def training_parts(
@@ -173,7 +172,10 @@ class Checkpointer:
         # Rank 0's BatchNorm statistics on every rank, as saved: under fsdp nothing else keeps
         # them equal, and the run goes on from what the checkpoint holds.
         broadcast_buffers(self.model, self.env)
-        states = {name: part.state_dict() for name, part in self.parts.items()}
+        return self._contents({name: part.state_dict() for name, part in self.parts.items()}, state)
+
+    def _contents(self, states: dict, state: TrainState) -> dict:
+        """What a checkpoint holds besides (or with) the parts' states."""
         return {"format_version": FORMAT_VERSION, **states, **state.state_dict(), **self.meta}
 
     def save(self, state: TrainState, is_best: bool = False) -> None:
@@ -195,8 +197,9 @@ class Checkpointer:
     def _save_sharded(self, state: TrainState, is_best: bool) -> None:
         broadcast_buffers(self.model, self.env)  # as in gather
         tensors = {name: self.parts[name].local_state_dict() for name in sharded.SHARDED_PARTS}
-        rest = {n: p.state_dict() for n, p in self.parts.items() if n not in tensors}
-        rest = {"format_version": FORMAT_VERSION, **rest, **state.state_dict(), **self.meta}
+        rest = self._contents(
+            {n: p.state_dict() for n, p in self.parts.items() if n not in tensors}, state
+        )
 
         def prepare() -> None:
             _check_finite({"model": _local(tensors["model"])}, state)  # each rank its shards

@@ -95,14 +95,19 @@ def numbered(out_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(NUMBERED.fullmatch(p.name)[1]), reverse=True)
 
 
+def serialized(checkpoint: dict) -> bytes:
+    """What torch.save writes for checkpoint, to hand to atomic_write."""
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    return buffer.getvalue()
+
+
 def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None:
     """Commits checkpoint-<step>.pt, points checkpoint.pt at it, writes model_best.pt when
     is_best, then deletes numbered checkpoints beyond the newest keep_last. A crash at any point
     leaves the previous checkpoint in place, and so does a failed write, which raises
     WriteFailed. Call on the main rank only."""
-    buffer = io.BytesIO()
-    torch.save(checkpoint, buffer)
-    data = buffer.getvalue()
+    data = serialized(checkpoint)
     step = checkpoint["global_step"]
     path = out_dir / f"checkpoint-{step:09d}.pt"
     try:

@@ -193,9 +193,7 @@ def commit(out_dir: Path, rest: dict, is_best: bool, keep_last: int) -> Path:
     deletes the oldest checkpoints beyond keep_last."""
     step = rest["global_step"]
     tmp = temp_folder(out_dir, step)
-    buffer = io.BytesIO()
-    torch.save(rest, buffer)
-    files.atomic_write(tmp / STATE, buffer.getvalue())
+    files.atomic_write(tmp / STATE, files.serialized(rest))
     path = out_dir / f"checkpoint-{step:09d}{SUFFIX}"
     files.remove(path)  # the same step saved again, after a restart
     os.replace(tmp, path)
@@ -273,7 +271,5 @@ def convert(source: Path, destination: Path) -> dict:
     if not destination.parent.is_dir():
         raise UserError(f"convert: DST {destination}: no directory {destination.parent}")
     checkpoint = to_single(source)
-    buffer = io.BytesIO()
-    torch.save(checkpoint, buffer)
-    files.atomic_write(destination, buffer.getvalue())
+    files.atomic_write(destination, files.serialized(checkpoint))
     return checkpoint
