@@ -1,6 +1,7 @@
 """Each rank's last phase goes through the process group's store: a rank that times out names
 the ranks behind it and where they were."""
 
+import threading
 import time
 
 import torch.distributed as dist
@@ -29,3 +30,18 @@ def test_the_ranks_behind_are_named_with_their_phase():
     assert stalled[1] == ""  # nobody is behind rank 1
     assert stalled[2].startswith("rank 1 was last in data fetch of global step 7 (")
     assert "; rank 0 was last in backward of global step 7 (" in stalled[2]
+
+
+def publishers_left_after_close(env):
+    phases = Phases(env)
+    for step in range(20):  # keep the publisher busy with new records up to the close
+        phases.enter("forward", step)
+        time.sleep(PUBLISH_EVERY / 10)
+    phases.close()
+    return [t.name for t in threading.enumerate() if t.name == "ddptrain-phases"]
+
+
+def test_close_waits_for_the_publisher():
+    """A daemon thread still inside a store call at interpreter exit aborts the process
+    ("terminate called without an active exception") after a run that succeeded."""
+    assert run_ranks(publishers_left_after_close, 2) == [[], []]

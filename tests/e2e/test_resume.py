@@ -54,8 +54,11 @@ def test_resuming_a_finished_run_does_nothing(tiny_data, tmp_path):
 
 
 def test_resume_keeps_the_precision_of_the_run(tiny_data, tmp_path):
-    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path), "--amp", "bf16", "--no-channels-last"))
-    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path), "--epochs", "2", "--resume", "auto"))
+    # At the default --lr 0.1 this tiny run sits at the edge of divergence, and on some CPUs
+    # bf16 tips it over (non-finite weights end the run): the test is about precision.
+    args = (*tiny_args(tiny_data, tmp_path), "--lr", "0.01")
+    ok(ddptrain("train", *args, "--amp", "bf16", "--no-channels-last"))
+    ok(ddptrain("train", *args, "--epochs", "2", "--resume", "auto"))
     saved = state(tmp_path)["config"]
     assert (saved["amp"], saved["channels_last"], saved["compile"]) == ("bf16", False, False)
     written = json.loads((tmp_path / "config.json").read_text())

@@ -20,6 +20,7 @@ from ddptrain.dist.env import DistEnv
 # Within one global step, in the order a rank goes through them.
 ORDER = ("data fetch", "forward", "backward", "optimizer step", "step agreement")
 PUBLISH_EVERY = 0.5  # seconds
+JOIN_WITHIN = 5.0  # seconds: a store call on a lost host gives up later; exit then anyway
 _KEY = "ddptrain/phase/{rank}"
 
 
@@ -29,8 +30,12 @@ class Phases:
         self.current = ("setup", 0, time.time())  # (phase, global step, when)
         self._store = _default_store() if env.distributed else None
         self._stopped = threading.Event()
+        self._publisher = None
         if self._store is not None:
-            threading.Thread(target=self._publish, name="ddptrain-phases", daemon=True).start()
+            self._publisher = threading.Thread(
+                target=self._publish, name="ddptrain-phases", daemon=True
+            )
+            self._publisher.start()
 
     def enter(self, phase: str, global_step: int) -> None:
         self.current = (phase, global_step, time.time())
@@ -40,7 +45,12 @@ class Phases:
         self.current = (phase, self.current[1], time.time())
 
     def close(self) -> None:
+        """Stops the publisher and waits for it: a daemon thread still inside a store call when
+        the interpreter exits is ended by a forced unwind through C++ code, which aborts the
+        process ("terminate called without an active exception") after a run that succeeded."""
         self._stopped.set()
+        if self._publisher is not None:
+            self._publisher.join(timeout=JOIN_WITHIN)
 
     def _publish(self) -> None:
         published = None
