@@ -120,7 +120,10 @@ def report(err: BaseException) -> int | None:
         return reported
     code, line = _exit_line(err)
     if code is not None:
-        print(line, file=sys.stderr, flush=True)
+        # One write of the whole line: every failed rank prints one into the same pipe, and
+        # print's separate write of the newline let two ranks' lines run together.
+        sys.stderr.write(f"{line}\n")
+        sys.stderr.flush()
         err._ddptrain_exit_code = code
     return code
 

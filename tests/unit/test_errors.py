@@ -23,6 +23,23 @@ def test_an_error_reported_early_is_not_printed_again(capsys):
     assert capsys.readouterr().err.count("ddptrain: error:") == 1
 
 
+def test_the_line_goes_out_in_one_write(monkeypatch):
+    # Every failed rank writes its line into the launcher's one pipe: a line written in two
+    # parts (text, then newline) ran into another rank's line.
+    writes = []
+
+    class Pipe:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr("sys.stderr", Pipe())
+    assert report(UserError("the loss became non-finite at global step 2")) == 2
+    assert writes == ["ddptrain: error: the loss became non-finite at global step 2\n"]
+
+
 def test_loader_worker_errors_lose_the_worker_traceback():
     # What DataLoader re-raises in the main process for a UserError raised in a worker.
     rebuilt = UserError(
