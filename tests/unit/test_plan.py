@@ -65,6 +65,7 @@ def test_divide_error_is_one_line_from_the_command(capsys):
         (["--num-classes", "0"], "--num-classes"),
         (["--device-memory", "-1"], "--device-memory"),
         (["--amp", "fp8"], "--amp"),
+        (["--amp", "auto"], "--amp auto"),  # a precision for a device plan may not be on
         (["--image-size", "8"], "--image-size"),
     ],
 )

@@ -47,6 +47,10 @@ class PlanRequest:
             raise UserError(f"--world-size must be at least 1, got {self.world_size}")
         if self.num_classes < 1:
             raise UserError(f"--num-classes must be at least 1, got {self.num_classes}")
+        if self.amp == "auto":  # it resolves on the device of the run, which plan may not be
+            raise UserError(
+                "--amp auto: plan needs the precision the run will take: --amp none, bf16 or fp16"
+            )
         if self.device_memory is not None and self.device_memory <= 0:
             raise UserError(f"--device-memory must be positive (GiB), got {self.device_memory}")
         config = Config(
