@@ -234,6 +234,17 @@ def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
         return f"plan: not available ({first_line(err)})"
 
 
+def _check_trainable(saved: dict, path: Path) -> None:
+    """A model_best.pt whose model is the EMA (files.best_copy) evaluates, but cannot go on
+    training: the raw weights it averaged are in the numbered checkpoint of its step."""
+    if saved.get("weights") == "model_ema":
+        step = saved["global_step"]
+        raise UserError(
+            f"--resume: {path} holds the EMA of the weights as its model (the average scored "
+            f"best): evaluate it with --evaluate, or resume training from checkpoint-{step:09d}.pt"
+        )
+
+
 def _backend_name(env: DistEnv) -> str:
     import torch.distributed as dist
 
@@ -319,6 +330,7 @@ def _prepare(
         check_fits(saved, resume, model)
         if not config.evaluate:  # evaluating on other data is fine
             check_same_data(saved, loaders.facts, resume)
+            _check_trainable(saved, resume)
     precision = resolve_precision(config, None, model, env.device)
     done = TrainState.from_checkpoint(saved or {"epoch": config.start_epoch})
     reporter = Reporter(env, out_dir, config.progress, config.tensorboard, done.global_step)

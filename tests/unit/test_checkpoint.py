@@ -72,6 +72,17 @@ def test_round_trip_restores_weights_optimizer_schedule_and_state(tmp_path):
     assert fresh_sched.state_dict() == scheduler.state_dict()
 
 
+def test_when_the_average_scored_best_model_best_holds_its_weights(tmp_path):
+    raw = {"w": torch.zeros(2)}
+    averaged = {"w": torch.ones(2)}
+    payload = {"model": raw, "model_ema": {"model": averaged, "updates": 3}, "global_step": 3}
+    files.save(tmp_path, {**payload, "best_model": "model_ema"}, True, keep_last=2)
+
+    best, latest = files.load(tmp_path / "model_best.pt"), files.load(tmp_path / "checkpoint.pt")
+    assert torch.equal(best["model"]["w"], averaged["w"]) and best["weights"] == "model_ema"
+    assert torch.equal(latest["model"]["w"], raw["w"]) and "weights" not in latest  # resumes
+
+
 def test_saved_keys_have_no_wrapper_prefix_and_load_strictly(tmp_path):
     model, optimizer, scheduler = trained_model()
     wrapped = nn.DataParallel(model)  # a wrapper that adds `module.` on CPU too

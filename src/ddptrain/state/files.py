@@ -108,6 +108,7 @@ def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None
     leaves the previous checkpoint in place, and so does a failed write, which raises
     WriteFailed. Call on the main rank only."""
     data = serialized(checkpoint)
+    best = best_copy(checkpoint)
     step = checkpoint["global_step"]
     path = out_dir / f"checkpoint-{step:09d}.pt"
     try:
@@ -115,7 +116,7 @@ def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None
         faults.kill_point("after_rename", step)
         _link_latest(path, out_dir / LATEST)
         if is_best:
-            atomic_write(out_dir / BEST, data)
+            atomic_write(out_dir / BEST, data if best is checkpoint else serialized(best))
     except WriteFailed as err:
         raise WriteFailed(
             f"{err}; the checkpoints written before it are intact: make room, then continue "
@@ -123,6 +124,16 @@ def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None
         ) from None
     for old in numbered(out_dir)[keep_last:]:
         remove(old)
+
+
+def best_copy(checkpoint: dict) -> dict:
+    """What model_best.pt holds: the checkpoint, with the EMA's weights as its `model` when the
+    average evaluated better (best_model "model_ema"), so that export, --evaluate, --pretrained
+    and any tool that reads `model` take the weights that scored best_acc1. `weights` marks
+    such a copy: its model is not the one training continues from."""
+    if checkpoint.get("best_model") != "model_ema":
+        return checkpoint
+    return {**checkpoint, "model": checkpoint["model_ema"]["model"], "weights": "model_ema"}
 
 
 def remove(path: Path) -> None:
