@@ -14,8 +14,8 @@ Inert unless the DDPTRAIN_TEST_* environment variables are set; nothing else rea
 - DDPTRAIN_TEST_NAN=RANK:STEP makes global rank RANK's batch NaN at global step STEP, as a
   blow-up on one rank.
 - DDPTRAIN_TEST_ENOSPC=GLOB makes every write of a file whose name matches GLOB (fnmatch, e.g.
-  `checkpoint-000000006.pt`, `config.json`, `metrics.jsonl`, `*.png`) fail as on a full disk,
-  once its bytes are written and before they are committed.
+  `checkpoint-000000006.pt`, `config.json`, `metrics.jsonl`, `*.png`, `model_best.dcp`) fail as
+  on a full disk, once its bytes are written and before they are committed.
 """
 
 import errno

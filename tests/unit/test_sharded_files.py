@@ -11,7 +11,7 @@ import torchvision
 from test_checkpoint import ONE, meta, trained_model
 
 from ddptrain.config import Config
-from ddptrain.errors import UserError
+from ddptrain.errors import UserError, WriteFailed
 from ddptrain.state import files, sharded
 from ddptrain.state.checkpointer import Checkpointer, TrainState, check_fits, training_parts
 from ddptrain.train.optim import build_optimizer
@@ -117,3 +117,21 @@ def test_convert_names_what_it_cannot_take(saved, tmp_path):
         sharded.convert(out_dir / "nothing", tmp_path / "x.pt")
     with pytest.raises(UserError, match="must end in .pt"):
         sharded.convert(out_dir / "checkpoint-000000020.dcp", tmp_path / "x.bin")
+
+
+@pytest.mark.parametrize("name", ["state.pt", "model_best.dcp"])
+def test_a_full_disk_while_committing_is_one_line_and_leaves_no_temp_folder(
+    saved, monkeypatch, name
+):
+    out_dir, model, optimizer = saved
+    monkeypatch.setenv("DDPTRAIN_TEST_ENOSPC", name)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 30)
+    saver = sharded_checkpointer(out_dir, model, optimizer, scheduler)
+    with pytest.raises(WriteFailed, match=f"{name}: No space left on device") as failed:
+        saver.save(TrainState(epoch=3, global_step=30, best_acc1=9.0), is_best=True)
+    assert "free" in str(failed.value) and "--resume auto" in str(failed.value)
+    assert "\n" not in str(failed.value)
+    assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".")]
+    assert files.load(out_dir / "model_best.dcp")["global_step"] == 20  # the earlier best
+    newest = 20 if name == "state.pt" else 30  # a failed best copy keeps the new checkpoint
+    assert files.resolve("auto", out_dir) == out_dir / f"checkpoint-{newest:09d}.dcp"

@@ -29,7 +29,8 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
-from ddptrain.errors import UserError, first_line, write_failed
+from ddptrain import faults
+from ddptrain.errors import UserError, WriteFailed, first_line, write_failed
 from ddptrain.state import files
 
 SUFFIX = ".dcp"
@@ -181,6 +182,8 @@ def write_shards(tensors: dict, out_dir: Path, global_step: int) -> None:
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(tensors, storage_writer=FileSystemWriter(tmp))
     except Exception as err:
+        # DCP's save ends together on every rank: no rank still writes into the folder.
+        shutil.rmtree(tmp, ignore_errors=True)  # the space a failed save took, back now
         raise UserError(
             f"cannot write the sharded checkpoint {tmp}: {first_line(err)}; the checkpoints "
             "written before it are intact: fix that, then continue with --resume auto"
@@ -190,17 +193,26 @@ def write_shards(tensors: dict, out_dir: Path, global_step: int) -> None:
 def commit(out_dir: Path, rest: dict, is_best: bool, keep_last: int) -> Path:
     """Rank 0, once every rank's shards are in the temp folder: writes state.pt, renames the
     folder into place, links checkpoint.dcp to it, copies it to model_best.dcp when is_best, and
-    deletes the oldest checkpoints beyond keep_last."""
+    deletes the oldest checkpoints beyond keep_last. A failed write or rename raises
+    WriteFailed (one line) and leaves the checkpoints before it as they were."""
     step = rest["global_step"]
     tmp = temp_folder(out_dir, step)
-    files.atomic_write(tmp / STATE, files.serialized(rest))
     path = out_dir / f"checkpoint-{step:09d}{SUFFIX}"
-    files.remove(path)  # the same step saved again, after a restart
-    os.replace(tmp, path)
-    files.fsync_dir(out_dir)
-    _link(path, out_dir / LATEST)
-    if is_best:
-        _copy_folder(path, out_dir / BEST)
+    try:
+        files.atomic_write(tmp / STATE, files.serialized(rest))
+        files.remove(path)  # the same step saved again, after a restart
+        os.replace(tmp, path)
+        files.fsync_dir(out_dir)
+        _link(path, out_dir / LATEST)
+        if is_best:
+            _copy_folder(path, out_dir / BEST)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that did not commit: its space back
+        failed = err if isinstance(err, WriteFailed) else write_failed(err.filename or path, err)
+        raise WriteFailed(
+            f"{failed}; the checkpoints written before it are intact: make room, then "
+            "continue with --resume auto"
+        ) from None
     for old in files.numbered(out_dir)[keep_last:]:
         files.remove(old)
     return path
@@ -220,11 +232,21 @@ def _copy_folder(source: Path, destination: Path) -> None:
     tmp, old = (destination.with_name(f".{destination.name}.{s}") for s in ("tmp", "old"))
     for stale in (tmp, old):
         shutil.rmtree(stale, ignore_errors=True)
-    shutil.copytree(source, tmp)
+    try:
+        shutil.copytree(source, tmp)
+        faults.disk_full(destination)
+    except (OSError, shutil.Error) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = err if isinstance(err, OSError) else OSError(first_line(err))
+        raise write_failed(destination, reason, needed=_size(source)) from None
     with contextlib.suppress(FileNotFoundError):
         os.replace(destination, old)
     os.replace(tmp, destination)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def to_single(folder: Path) -> dict:
