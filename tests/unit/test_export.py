@@ -22,6 +22,11 @@ def test_sidecar_follows_the_checkpoints_config():
         232,
         "bicubic",
     )
+    # torchvision's recipe trains on 176 px crops and evaluates on 224 px ones: the sidecar
+    # describes the evaluation, as its users feed the model.
+    config = {"image_size": 176, "val_crop": 224}
+    recipe = describe({**checkpoint, "config": config}, "c.pt")
+    assert (recipe["image_size"], recipe["val_resize"]) == (224, 256)
 
 
 def test_a_checkpoint_without_what_the_sidecar_needs_is_refused():

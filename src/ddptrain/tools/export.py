@@ -11,7 +11,8 @@ from pathlib import Path
 
 from safetensors.torch import save
 
-from ddptrain.data.transforms import MEAN, STD
+from ddptrain.config import Config
+from ddptrain.data.transforms import MEAN, STD, val_sizes
 from ddptrain.errors import UserError
 from ddptrain.state import files, sharded
 
@@ -56,14 +57,15 @@ def describe(checkpoint: dict, path: Path) -> dict:
     if missing:
         raise UserError(f"export: {path} lacks {', '.join(missing)}: not a ddptrain training run")
     class_to_idx = checkpoint["class_to_idx"]
-    image_size = int(config["image_size"])
+    sizes = {key: config.get(key) for key in ("val_crop", "val_resize")}
+    resize, crop = val_sizes(Config(image_size=int(config["image_size"]), **sizes))
     return {
         "arch": checkpoint["arch"],
         "num_classes": int(checkpoint.get("num_classes", len(class_to_idx))),
         "classes": sorted(class_to_idx, key=class_to_idx.get),
-        "image_size": image_size,
-        # The val preset (data/transforms.py): resize to 1/0.875 of the crop, then centre-crop.
-        "val_resize": int(config.get("val_resize") or round(image_size / 0.875)),
+        # What the model was evaluated on (the val preset): resize the short side, centre-crop.
+        "image_size": int(crop),
+        "val_resize": int(resize),
         "interpolation": config.get("interpolation") or "bilinear",
         "mean": list(MEAN),
         "std": list(STD),
