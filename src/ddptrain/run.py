@@ -108,7 +108,8 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
     if config.pretrained and saved is None:
         fresh = load_pretrained(model, config.arch, env, source=config.pretrained)
         if fresh:
-            reporter.info(f"pretrained {config.arch}: new weights for {', '.join(fresh)}")
+            origin = "" if config.pretrained is True else f" from {config.pretrained}"
+            reporter.info(f"pretrained {config.arch}{origin}: new weights for {', '.join(fresh)}")
     parameters = sum(p.numel() for p in model.parameters())
     model = wrap(
         precision.place(model, env.device),

@@ -90,4 +90,5 @@ def test_pretrained_checkpoint_of_another_class_count_gets_a_new_head(tiny_data,
     out = tmp_path_factory.mktemp("finetune")
     pretrained = source / "checkpoint.pt"
     result = ok(ddptrain("train", *tiny_args(tiny_data, out), "--pretrained", pretrained))
-    assert f"from {pretrained}: new weights for fc.bias, fc.weight" in result.stdout
+    said = f"pretrained resnet18 from {pretrained}: new weights for fc.bias, fc.weight"
+    assert result.stdout.count(said) == 1  # once, by the Reporter

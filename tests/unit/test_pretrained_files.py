@@ -43,7 +43,7 @@ def test_an_export_loads_every_weight(tmp_path):
     assert_equal_except(model, state, fresh=set())
 
 
-def test_a_checkpoint_of_another_class_count_leaves_the_head_new(tmp_path, capsys):
+def test_a_checkpoint_of_another_class_count_leaves_the_head_new(tmp_path):
     state = checkpoint_file(tmp_path / "ten.pt", num_classes=10)
     model = fresh_model(num_classes=3)
     head_before = model.fc.weight.clone()
@@ -51,9 +51,6 @@ def test_a_checkpoint_of_another_class_count_leaves_the_head_new(tmp_path, capsy
     assert fresh == ["fc.bias", "fc.weight"]
     assert_equal_except(model, state, fresh=set(fresh))
     assert torch.equal(model.fc.weight, head_before) and model.fc.out_features == 3
-    assert (
-        f"from {tmp_path / 'ten.pt'}: new weights for fc.bias, fc.weight" in capsys.readouterr().out
-    )
 
 
 def test_auxiliary_heads_are_heads_too(tmp_path):

@@ -103,20 +103,16 @@ def load_pretrained(
 ) -> list[str]:
     """Initial weights for model: source True is the arch's default torchvision weights
     (downloaded by rank 0 first), a str the path of a .safetensors export or a ddptrain
-    checkpoint. A head of another class count stays new; returns the names left new.
+    checkpoint. A head of another class count stays new; returns the names left new (the
+    caller's Reporter says so).
 
     A collective: every rank must call it.
     """
     if source is True:
         state = rank0_first(env, lambda: _pretrained_state(arch, show_progress=env.is_main))
-        fresh, origin = _load_fitting(model, state), f"pretrained {arch}"
-    else:
-        # Loaded inside the collective: a file that does not fit ends every rank.
-        fresh = rank0_first(env, lambda: _load_file(model, arch, Path(source)))
-        origin = f"pretrained {arch} from {source}"
-    if env.is_main and fresh:
-        print(f"{origin}: new weights for {', '.join(fresh)}", flush=True)
-    return fresh
+        return _load_fitting(model, state)
+    # Loaded inside the collective: a file that does not fit ends every rank.
+    return rank0_first(env, lambda: _load_file(model, arch, Path(source)))
 
 
 def _load_fitting(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
