@@ -5,8 +5,9 @@ import pytest
 import torch
 from harness import run_ranks
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from ddptrain.model.parallelize import unwrap, wrap
+from ddptrain.model.parallelize import no_gradient_sync, unwrap, wrap
 from ddptrain.train.trainer import Step
 
 BATCH = 8  # global
@@ -25,9 +26,9 @@ def batch():
     return images, torch.randint(0, 3, (BATCH,), generator=generator)
 
 
-def steps(env, accum_steps, clip=None, count=3):
+def steps(env, accum_steps, clip=None, count=3, strategy="ddp"):
     """`count` optimizer steps over this rank's slice of the same global batch."""
-    model = wrap(bn_free_model(), env)
+    model = wrap(bn_free_model(), env, strategy=strategy)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     step = Step(model, optimizer, accum_steps=accum_steps, clip_grad_norm=clip)
     images, target = batch()
@@ -35,7 +36,12 @@ def steps(env, accum_steps, clip=None, count=3):
     mine = slice(env.rank * per_rank, (env.rank + 1) * per_rank)
     for _ in range(count):
         step(images[mine], target[mine])
-    return torch.cat([p.detach().flatten() for p in unwrap(model).parameters()])
+    return torch.cat([whole(p).detach().flatten() for p in unwrap(model).parameters()])
+
+
+def whole(parameter: torch.Tensor) -> torch.Tensor:
+    """An fsdp parameter's full tensor (every rank's shard), gathered: a collective."""
+    return parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +57,23 @@ def test_accumulated_micro_batches_on_two_ranks_equal_the_full_batch(
     assert torch.equal(first, second)
     assert not torch.equal(first, torch.cat([p.flatten() for p in bn_free_model().parameters()]))
     torch.testing.assert_close(first, full_batch_on_one_process, rtol=0, atol=1e-5)
+
+
+def test_accumulation_and_clipping_under_fsdp_equal_one_process():
+    (single,) = run_ranks(steps, 1, 1, 0.05)
+    first, second = run_ranks(steps, 2, 2, 0.05, 3, "fsdp")
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, single, rtol=0, atol=1e-5)
+
+
+def test_no_gradient_sync_reaches_ddp_under_torch_compile():
+    assert run_ranks(_sync_inside_compiled, 2) == [False, False]
+
+
+def _sync_inside_compiled(env):
+    ddp = wrap(bn_free_model(), env)
+    with no_gradient_sync(torch.compile(ddp)):  # compiles nothing until called
+        return ddp.require_backward_grad_sync
 
 
 def test_clipping_on_two_ranks_equals_one_process():

@@ -121,6 +121,7 @@ def checkpoint_parts(model: nn.Module, env: DistEnv) -> dict:
 def no_gradient_sync(model: nn.Module):
     """Backward without reducing gradients over the ranks: for all but the last micro-batch of
     an accumulated step, whose backward then reduces the sum once."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
     if isinstance(model, DistributedDataParallel):
         with model.no_sync():
             yield
