@@ -46,3 +46,13 @@ def test_a_full_disk_on_rank_0_ends_every_rank_under_torchrun(tiny_data, tmp_pat
     # Rank 1 learns of it at once: every rank agrees on the outcome of a checkpoint's write.
     assert any("another rank failed while writing a checkpoint" in e for e in errors), errors
     assert not any(p.name.startswith(".checkpoint") for p in out.iterdir())
+
+
+def test_a_full_disk_while_recording_an_epoch_ends_every_rank_at_once(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    full = {"DDPTRAIN_TEST_ENOSPC": "metrics.jsonl"}
+    result = torchrun(2, *args(tiny_data, out, "--dist-timeout", 600), env=full, timeout=NO_HANG)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ddptrain: error:")]
+    assert any(f"cannot write {out}/metrics.jsonl: No space" in e for e in errors), errors
+    assert any("another rank failed while writing metrics.jsonl" in e for e in errors), errors
+    assert not (out / "checkpoint.pt").exists()  # the epoch's checkpoint comes after its records

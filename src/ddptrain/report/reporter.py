@@ -9,6 +9,7 @@ the Reporter.
 import sys
 from pathlib import Path
 
+from ddptrain.dist.collectives import agree
 from ddptrain.dist.env import DistEnv
 from ddptrain.report.metrics import MetricsLog
 from ddptrain.report.progress import make_progress
@@ -25,7 +26,7 @@ class Reporter:
         resumed_step: int = 0,
     ):
         """out_dir None: show, record nothing (--evaluate records its val line only)."""
-        self.main = env.is_main
+        self.env, self.main = env, env.is_main
         self.progress = make_progress(progress if self.main else "none")
         self.sinks: list = []
         if self.main and out_dir is not None:
@@ -71,10 +72,16 @@ class Reporter:
         if self.main:
             self.progress.end_epoch()
 
-    def record(self, record: dict) -> None:
-        """An epoch record (metrics.jsonl's contract) to every sink."""
-        for sink in self.sinks:
-            sink.write(record)
+    def record(self, *records: dict) -> None:
+        """An epoch's records (metrics.jsonl's contract) to every sink. A collective: every rank
+        calls it, so that a write failing on rank 0 (a full disk) ends every rank at once."""
+
+        def write() -> None:
+            for record in records:
+                for sink in self.sinks:
+                    sink.write(record)
+
+        agree(self.env, write, doing="writing metrics.jsonl and summary.csv")
 
     def close(self) -> None:
         self.end_epoch()

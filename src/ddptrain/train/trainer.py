@@ -396,10 +396,10 @@ def fit(run: Run, state: TrainState) -> TrainState:
         # Recorded before the checkpoint: a run killed in between resumes from the previous
         # checkpoint, which drops these records (Reporter.keep_until) and records them again.
         at = {"epoch": state.epoch, "global_step": state.global_step}
-        reporter.record({"split": "train", **at, "lr": lr, **train})
-        reporter.record({"split": "val", **at, **val})
-        if val_ema is not None:
-            reporter.record({"split": "val_ema", **at, **val_ema})
+        ema = [] if val_ema is None else [{"split": "val_ema", **at, **val_ema}]
+        reporter.record(
+            {"split": "train", **at, "lr": lr, **train}, {"split": "val", **at, **val}, *ema
+        )
         save(run, state, is_best)
         if train["data_wait"] > DATA_WAIT_WARNING:
             reporter.warn(
