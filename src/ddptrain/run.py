@@ -31,7 +31,7 @@ from ddptrain.model.parallelize import Communication, checkpoint_parts, is_shard
 from ddptrain.model.precision import DTYPES, resolve_precision
 from ddptrain.report.profile import StepProfiler
 from ddptrain.report.records import require_tensorboard
-from ddptrain.report.reporter import Reporter
+from ddptrain.report.reporter import Reporter, warn
 from ddptrain.state.checkpointer import (
     Checkpointer,
     TrainState,
@@ -47,7 +47,7 @@ from ddptrain.state.files import (
     numbered,
     remove_stale_temp_files,
     resolve,
-    warn_if_no_room,
+    room_warning,
 )
 from ddptrain.state.lock import lock_out_dir, unlock_out_dir
 from ddptrain.train import trainer
@@ -81,9 +81,11 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
     config.check_batch_divides(env.world_size)
     out_dir = Path(config.out_dir)
     if not config.evaluate:  # one run per out-dir, before anything reads or writes it
-        agree(env, lambda: lock_out_dir(out_dir) if env.is_main else None)
+        unlocked = agree(env, lambda: lock_out_dir(out_dir) if env.is_main else None)
+        if unlocked:  # a file system without locks
+            warn(env, unlocked)
     seed = from_rank0(env, lambda: _data_seed(config))
-    resume = from_rank0(env, lambda: resolve(config.resume, out_dir))
+    resume = from_rank0(env, lambda: resolve(config.resume, out_dir, lambda w: warn(env, w)))
     if config.seed is not None:
         _seed_everything(config.seed, env)
 
@@ -125,7 +127,11 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
     steps_per_epoch = loaders.train_sampler.steps if loaders.train_sampler else 1
     optimizer, scheduler = build_optimizer(model, config, steps_per_epoch)
     if env.is_main and not config.evaluate:  # before the first save, while a warning helps
-        warn_if_no_room(out_dir, checkpoint_bytes(unwrap(model), optimizer), config.keep_last)
+        no_room = room_warning(
+            out_dir, checkpoint_bytes(unwrap(model), optimizer), config.keep_last
+        )
+        if no_room:
+            reporter.warn(no_room)
     ema = build_ema(unwrap(model), config, steps_per_epoch)
     summary = _summary(config, env, loaders, precision, parameters, steps_per_epoch, resume)
     meta, record = _records(config, env, loaders, precision, seed, summary)

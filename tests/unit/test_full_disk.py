@@ -165,15 +165,14 @@ def test_the_checkpoint_size_estimate_is_close_to_a_real_checkpoint(tmp_path):
     assert abs(estimate - real) / real < 0.05, (estimate, real)
 
 
-def test_no_room_for_the_kept_checkpoints_warns_in_one_line(tmp_path, monkeypatch, capsys):
+def test_no_room_for_the_kept_checkpoints_warns_in_one_line(tmp_path, monkeypatch):
     size = 10 * 2**20
     needed = (2 + files.PEAK_EXTRA_CHECKPOINTS) * size
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(0, 0, needed))
-    assert not files.warn_if_no_room(tmp_path, size, keep_last=2)
+    assert files.room_warning(tmp_path, size, keep_last=2) is None
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(0, 0, needed - 1))
-    assert files.warn_if_no_room(tmp_path, size, keep_last=2)
-    warning = capsys.readouterr().err
-    assert warning.count("\n") == 1 and warning.startswith(f"warning: --out-dir {tmp_path} has")
+    warning = files.room_warning(tmp_path, size, keep_last=2)
+    assert "\n" not in warning and warning.startswith(f"--out-dir {tmp_path} has")
     assert "need up to 50.0 MiB (--keep-last 2" in warning and "10.0 MiB each" in warning
 
 
@@ -182,6 +181,6 @@ def test_checkpoints_already_in_the_out_dir_count_as_room(tmp_path, monkeypatch)
     size = (tmp_path / "checkpoint.pt").stat().st_size
     needed = (1 + files.PEAK_EXTRA_CHECKPOINTS) * size
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(0, 0, needed - size))
-    assert not files.warn_if_no_room(tmp_path, size, keep_last=1)
+    assert files.room_warning(tmp_path, size, keep_last=1) is None
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(0, 0, needed - size - 1))
-    assert files.warn_if_no_room(tmp_path, size, keep_last=1)  # the link is not counted twice
+    assert files.room_warning(tmp_path, size, keep_last=1)  # the link is not counted twice

@@ -1,5 +1,7 @@
 """One run per out-dir: a second locker is refused naming the first; a dead one's lock is free."""
 
+import errno
+import fcntl
 import json
 import os
 import signal
@@ -123,3 +125,16 @@ def test_an_out_dir_that_cannot_be_made_is_a_user_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(UserError, match=f"--out-dir {tmp_path / 'file' / 'out'}: Not a directory"):
         lock_out_dir(tmp_path / "file" / "out")
+
+
+def test_a_file_system_without_locks_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatch):
+    def refused(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    warning = lock_out_dir(tmp_path)
+    assert warning == (
+        f"--out-dir {tmp_path}: cannot lock {tmp_path / LOCK_FILE} ({os.strerror(errno.ENOLCK)}); "
+        "a second run in the same out-dir would not be refused"
+    )
+    assert lock_out_dir(tmp_path) is not None  # nothing held: a second call is no error

@@ -39,8 +39,7 @@ class Reporter:
             self.progress.write(line)
 
     def warn(self, line: str) -> None:
-        if self.main:
-            print(f"warning: {line}", file=sys.stderr, flush=True)
+        warn(self.env, line)
 
     def start(self, summary: dict) -> None:
         """The start-up block: one `name: value` line each."""
@@ -87,3 +86,10 @@ class Reporter:
         self.end_epoch()
         for sink in self.sinks:
             sink.close()
+
+
+def warn(env: DistEnv, line: str) -> None:
+    """One warning line on stderr from rank 0: the Reporter's, and the start of a run's, before
+    its Reporter exists (a run that fails there still shows why it skipped what it skipped)."""
+    if env.is_main:
+        print(f"warning: {line}", file=sys.stderr, flush=True)

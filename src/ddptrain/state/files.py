@@ -13,7 +13,6 @@ import os
 import pickle
 import re
 import shutil
-import sys
 import tempfile
 import zipfile
 from collections.abc import Callable
@@ -180,36 +179,36 @@ def checkpoint_bytes(model: nn.Module, optimizer) -> int:
     return params * (1 + per_param) + buffers
 
 
-def warn_if_no_room(out_dir: Path, checkpoint_bytes: int, keep_last: int) -> bool:
-    """Warns, one line on stderr, when out_dir lacks the room for the checkpoints this run keeps
-    (keep_last, plus those a save holds at its peak). Checkpoints already there count as room:
-    they are replaced. Returns whether it warned. Call on the main rank, before the first save."""
+def room_warning(out_dir: Path, checkpoint_bytes: int, keep_last: int) -> str | None:
+    """The warning for an out_dir that lacks the room for the checkpoints this run keeps
+    (keep_last, plus those a save holds at its peak), or None. Checkpoints already there count
+    as room: they are replaced. Call on the main rank, before the first save."""
     needed = (keep_last + PEAK_EXTRA_CHECKPOINTS) * checkpoint_bytes
     try:
         free = shutil.disk_usage(out_dir).free
     except OSError:
-        return False  # the save will say what is wrong
+        return None  # the save will say what is wrong
     inodes = {}
     for path in [*numbered(out_dir), out_dir / LATEST, out_dir / BEST]:
         with contextlib.suppress(OSError):
             info = path.stat()
             inodes[(info.st_dev, info.st_ino)] = info.st_size  # checkpoint.pt is a hard link
     if free + sum(inodes.values()) >= needed:
-        return False
-    print(
-        f"warning: --out-dir {out_dir} has {format_bytes(free)} free, and this run's checkpoints "
+        return None
+    return (
+        f"--out-dir {out_dir} has {format_bytes(free)} free, and this run's checkpoints "
         f"need up to {format_bytes(needed)} (--keep-last {keep_last}, and "
         f"{PEAK_EXTRA_CHECKPOINTS} more during a save, of about {format_bytes(checkpoint_bytes)} "
-        "each): saving may fail for lack of space",
-        file=sys.stderr,
-        flush=True,
+        "each): saving may fail for lack of space"
     )
-    return True
 
 
-def resolve(resume: str | None, out_dir: Path) -> Path | None:
-    """The checkpoint --resume names. `auto`: the newest one in out_dir that is intact (a damaged
-    one is skipped with a warning naming it), or None when there is none."""
+def resolve(
+    resume: str | None, out_dir: Path, skipped: Callable[[str], None] = lambda warning: None
+) -> Path | None:
+    """The checkpoint --resume names. `auto`: the newest one in out_dir that is intact (each
+    damaged one skipped is passed to `skipped`, a warning naming it), or None when there is
+    none."""
     if resume is None:
         return None
     if resume != "auto":
@@ -228,7 +227,7 @@ def resolve(resume: str | None, out_dir: Path) -> Path | None:
                 raise UserError(f"{path} holds non-finite weights")
             return path
         except UserError as err:
-            print(f"warning: --resume auto: skipping {err}", file=sys.stderr, flush=True)
+            skipped(f"--resume auto: skipping {err}")
     return None
 
 

@@ -20,7 +20,6 @@ import fcntl
 import json
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -41,9 +40,10 @@ def _close_in_child() -> None:
 os.register_at_fork(after_in_child=_close_in_child)
 
 
-def lock_out_dir(out_dir: Path) -> None:
+def lock_out_dir(out_dir: Path) -> str | None:
     """Locks out_dir (creating it) for this process, or raises UserError naming the run that
-    holds it. Call on the main rank only, before anything is written; unlock_out_dir() ends it."""
+    holds it. Returns a warning where the file system has no locks, else None. Call on the main
+    rank only, before anything is written; unlock_out_dir() ends it."""
     global _held
     assert _held is None, "this process already holds a run lock"
     path = out_dir / LOCK_FILE
@@ -51,9 +51,13 @@ def lock_out_dir(out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"--out-dir {out_dir}: {err.strerror}") from None
-    fd = _lock(path, out_dir)
-    if fd is None:
-        return
+    try:
+        fd = _lock(path, out_dir)
+    except _NoLocks as err:
+        return (
+            f"--out-dir {out_dir}: cannot lock {path} ({err}); a second run in the same "
+            "out-dir would not be refused"
+        )
     _held = (fd, path)
     record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
     with contextlib.suppress(OSError):  # a full disk: the lock holds, only the record is lost
@@ -61,8 +65,12 @@ def lock_out_dir(out_dir: Path) -> None:
         os.pwrite(fd, json.dumps(record).encode(), 0)
 
 
-def _lock(path: Path, out_dir: Path) -> int | None:
-    """The descriptor of path, locked; None where the file system has no locks."""
+class _NoLocks(Exception):
+    """The file system refuses locks."""
+
+
+def _lock(path: Path, out_dir: Path) -> int:
+    """The descriptor of path, locked; raises _NoLocks where the file system has no locks."""
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -79,13 +87,7 @@ def _lock(path: Path, out_dir: Path) -> int | None:
             ) from None
         except OSError as err:  # no locks on this file system (some FUSE mounts)
             os.close(fd)
-            print(
-                f"warning: --out-dir {out_dir}: cannot lock {path} ({err.strerror}); a second "
-                "run in the same out-dir would not be refused",
-                file=sys.stderr,
-                flush=True,
-            )
-            return None
+            raise _NoLocks(err.strerror) from None
         if _is_at(fd, path):
             return fd
         # The run that held it removed it between our open and our lock: ours is a lock on a
