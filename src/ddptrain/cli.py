@@ -237,15 +237,15 @@ def _run(argv: list[str] | None) -> None:
 
         plan(options)
         return
+    from ddptrain import run
+
     if options.multiprocessing_distributed:
         from ddptrain.dist.launch import spawn
 
-        code = spawn(options)
+        code = spawn(options, run.train)
         if code:
             raise SystemExit(code)
         return
-    from ddptrain import run
-
     run.train(options)
 
 

@@ -5,6 +5,7 @@ As in the classic example, --world-size and --rank mean nodes and this node's ra
 
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -38,17 +39,19 @@ def _rendezvous(config: Config, nodes: int) -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 
 
-def _worker(local_rank: int, config: Config, nproc: int, nodes: int, url: str) -> None:
-    from ddptrain import run
-
+def _worker(
+    local_rank: int, train: Callable, config: Config, nproc: int, nodes: int, url: str
+) -> None:
     slot = SpawnSlot(local_rank, nproc, max(config.rank, 0), nodes, url)  # rank -1: one node
-    code = report_errors(lambda: run.train(config, slot))
+    code = report_errors(lambda: train(config, slot))
     if code:
         sys.exit(code)
 
 
-def spawn(config: Config) -> int:
-    """Runs config on --nproc-per-node processes; returns the exit code of the first failure.
+def spawn(config: Config, train: Callable[[Config, SpawnSlot], object]) -> int:
+    """Runs train(config, slot) on --nproc-per-node processes; returns the exit code of the
+    first failure. train is run.train, passed in (a module-level function, which mp.spawn
+    pickles by name): the dist wing does not import the run above it.
 
     When one process fails, mp.spawn ends the others, so no rank is left waiting.
     """
@@ -62,7 +65,7 @@ def spawn(config: Config) -> int:
     config.check_batch_divides(nproc * nodes)
     url = _rendezvous(config, nodes)
     try:
-        mp.spawn(_worker, args=(config, nproc, nodes, url), nprocs=nproc)
+        mp.spawn(_worker, args=(train, config, nproc, nodes, url), nprocs=nproc)
     except mp.ProcessExitedException as err:
         return err.exit_code if err.exit_code > 0 else 1
     return 0
