@@ -1,9 +1,14 @@
 """How each launcher's environment becomes a placement, without starting process groups."""
 
+import datetime
+import socket
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from ddptrain.config import Config
+from ddptrain.dist import env
 from ddptrain.dist.env import (
     SpawnSlot,
     _backend,
@@ -12,6 +17,7 @@ from ddptrain.dist.env import (
     init_distributed,
     local_index,
 )
+from ddptrain.dist.ports import free_port
 from ddptrain.errors import UserError
 
 LAUNCHER_VARS = (
@@ -131,3 +137,13 @@ def test_srun_tasks_meet_on_the_first_host_of_the_nodelist(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")  # srun running torchrun: torchrun's variables win
     monkeypatch.setenv("RANK", "2")
     assert _placement(Config(), None)[:2] == (2, 8)
+
+
+def test_the_meeting_counts_the_ranks_on_this_host():
+    # Two --dist-url tcp:// ranks here and one elsewhere: this rank's threads are a share of
+    # the cores between 2, the number no launcher told it.
+    store = dist.TCPStore("127.0.0.1", free_port(), 3, is_master=True, wait_for_workers=False)
+    for host in (socket.gethostname(), "elsewhere"):  # the other ranks arrived first
+        store.add(f"{env._HOSTS}/{host}", 1)
+        store.add(env._ARRIVED, 1)
+    assert env._meet(store, 0, 3, datetime.timedelta(seconds=10)) == 2

@@ -8,6 +8,7 @@ LOCAL_RANK), srun without torchrun (SLURM_PROCID and the rest, read in slurm.py)
 
 import datetime
 import os
+import socket
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -164,6 +165,7 @@ def _restart_safe_store(url: str, timeout: datetime.timedelta, rank: int) -> dis
 
 
 _FAILED, _ARRIVED, _SEEN = "ddptrain/failed_before_group", "ddptrain/arrived", "ddptrain/seen"
+_HOSTS = "ddptrain/ranks_on_host"
 
 
 def _tcp_store(url: str, rank: int, world: int, timeout: datetime.timedelta) -> dist.Store | None:
@@ -198,8 +200,11 @@ def _announce_failure(store: dist.Store, rank: int, world: int, err: Exception) 
         pass
 
 
-def _meet(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta) -> None:
-    """Waits until every rank arrived, or one said it failed (then fails too, naming it)."""
+def _meet(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta) -> int:
+    """Waits until every rank arrived, or one said it failed (then fails too, naming it).
+    Returns how many of the ranks run on this host (by host name): they share its cores."""
+    on_this_host = f"{_HOSTS}/{socket.gethostname()}"
+    store.add(on_this_host, 1)  # before arriving: every count is complete once all arrived
     store.add(_ARRIVED, 1)
     deadline = time.monotonic() + timeout.total_seconds()
     while store.add(_ARRIVED, 0) < world:
@@ -213,6 +218,7 @@ def _meet(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta)
                 f"within --dist-timeout ({timeout.total_seconds():.0f} s)"
             )
         time.sleep(0.1)
+    return store.add(on_this_host, 0)
 
 
 def _backend(config: Config, device: torch.device) -> str:
@@ -237,17 +243,19 @@ def init_distributed(config: Config, slot: SpawnSlot | None = None) -> DistEnv:
         device = _device(config, local_rank)
         if device.type != "cpu":
             torch.accelerator.set_device_index(device.index)
-        share_cpu_threads(local_world, config.workers)
         backend = _backend(config, device) if world > 1 else None
     except Exception as err:
         if meeting is not None:
             _announce_failure(meeting, rank, world, err)
         raise
+    if meeting is not None:
+        on_this_host = _meet(meeting, rank, world, timeout)
+        # Processes started one by one know nothing of each other but what the meeting says.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", on_this_host))
+    share_cpu_threads(local_world, config.workers)
     cpu_group = None
     if world > 1:
         store = meeting or _restart_safe_store(url, timeout, rank)
-        if meeting is not None:
-            _meet(meeting, rank, world, timeout)
         rendezvous = {"init_method": url} if store is None else {"store": store}
         dist.init_process_group(backend, world_size=world, rank=rank, timeout=timeout, **rendezvous)
         if backend != "gloo":
