@@ -38,13 +38,15 @@ def full_weights(checkpointer: Checkpointer):
     return torch.cat([v.flatten() for v in state.values()]) if checkpointer.env.is_main else None
 
 
-def train_epoch(env, root, out_dir, strategy, resume=None, sharded_format=False):
+def train_epoch(env, root, out_dir, strategy, resume=None, sharded_format=False, wrapping=None):
     """One epoch (2 steps of global batch 12) from scratch or from `resume`, then a checkpoint
-    (a DCP folder with sharded_format)."""
+    (a DCP folder with sharded_format); `wrapping`: more of wrap's options."""
     out_dir.mkdir(exist_ok=True)
     config = Config(data=str(root), batch_size=12, workers=0, image_size=16)
     loaders = build_data(config, env, root, seed=11)
-    model = wrap(group_norm_resnet(env), env, strategy=strategy, arch="resnet18")
+    model = wrap(
+        group_norm_resnet(env), env, strategy=strategy, arch="resnet18", **(wrapping or {})
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 30)
     parts = training_parts(unwrap(model), optimizer, scheduler, env, sharded=is_sharded(model))
@@ -70,6 +72,16 @@ def first_epoch(tiny_data, tmp_path_factory):
         out_dir = tmp_path_factory.mktemp(strategy)
         runs[strategy] = out_dir, run_ranks(train_epoch, 2, tiny_data, out_dir, strategy)[0]
     return runs
+
+
+def test_fsdp_offloaded_and_kept_gathered_after_forward_trains_the_same(
+    first_epoch, tiny_data, tmp_path
+):
+    # --fsdp-offload (CPUOffloadPolicy) and --no-reshard-after-forward change where parameters
+    # live and when they are gathered, never the math.
+    options = {"offload": True, "reshard_after_forward": False}
+    weights = run_ranks(train_epoch, 2, tiny_data, tmp_path, "fsdp", None, False, options)[0]
+    torch.testing.assert_close(weights, first_epoch["ddp"][1], rtol=0, atol=1e-5)
 
 
 def test_fsdp_on_two_ranks_equals_ddp(first_epoch):
