@@ -54,14 +54,14 @@ def random_batches(
 
 
 def train_epochs(
-    config, env, feed, model, optimizer, scheduler, precision, epochs: int
+    config, env, feed, model, optimizer, scheduler, precision, epochs: int, profiler=None
 ) -> list[float]:
     """samples/s of each of `epochs` epochs of trainer.train_epoch: nothing shown, recorded or
-    saved, so only the training steps are timed."""
+    saved, so only the training steps are timed. `profiler.step()`, if given, after each step."""
     quiet = Reporter(env, None, "none")
     with StopRequests(env) as stop:
         parts = (config, env, feed, model, optimizer, scheduler, quiet, 0, precision, None)
-        run = Run(*parts, stop)
+        run = Run(*parts, stop, profiler=profiler)
         return [train_epoch(run, e, TrainState(epoch=e))["samples_per_sec"] for e in range(epochs)]
 
 

@@ -200,14 +200,53 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def ratio_row(name: str, value: float, target: float | None, op: str = ">=") -> dict:
+def ratio_row(
+    name: str,
+    value: float,
+    target: float | None,
+    op: str = ">=",
+    runs: list[float] | None = None,
+    stretch: float | None = None,
+) -> dict:
     """A ratio and whether it meets its target (None: shown for reference only): at least
     (">=") or at most ("<=") the target, or "within" the target of 1 (a prediction against
-    what was measured)."""
-    checks = {">=": lambda: value >= target, "<=": lambda: value <= target,
-              "within": lambda: abs(value - 1) <= target}  # fmt: skip
-    met = None if target is None else checks[op]()
-    return {"name": name, "ratio": round(value, 3), "target": target, "op": op, "met": met}
+    what was measured). `runs`: the ratio of each repeat (its contenders measured side by side
+    in that repeat); then `value` is their median and the row keeps their spread. `stretch`: a
+    further target beyond `target`, shown with it."""
+    checks = {">=": lambda v, t: v >= t, "<=": lambda v, t: v <= t,
+              "within": lambda v, t: abs(v - 1) <= t}  # fmt: skip
+    met = None if target is None else checks[op](value, target)
+    row = {"name": name, "ratio": round(value, 3), "target": target, "op": op, "met": met}
+    if runs is not None:
+        row.update(spread(runs, digits=3))
+    if stretch is not None:
+        row.update(stretch=stretch, stretch_met=checks[op](value, stretch))
+    return row
+
+
+def spread(runs: list[float], digits: int = 2) -> dict:
+    """The runs, their min and max, and max - min as a share of their median."""
+    mid = median(runs)
+    return {
+        "runs": [round(v, digits) for v in runs],
+        "min": round(min(runs), digits),
+        "max": round(max(runs), digits),
+        "spread": round((max(runs) - min(runs)) / mid, 3) if mid else None,
+    }
+
+
+def paired(rows: list[dict], formula) -> list[float]:
+    """A ratio per repeat: `formula` applied to each repeat's values, a dict by row name (the
+    contenders of one repeat ran side by side, alternating)."""
+    by_name = {r["name"]: r["runs"] for r in rows}
+    repeats = min(len(v) for v in by_name.values())
+    return [formula({n: v[i] for n, v in by_name.items()}) for i in range(repeats)]
+
+
+def paired_ratio(name: str, rows: list[dict], formula, target: float | None, **kwargs) -> dict:
+    """ratio_row of the per-repeat ratios `formula` gives: their median, min and max."""
+    runs = paired(rows, formula)
+    return ratio_row(name, median(runs), target, runs=runs, **kwargs)
 
 
 def target_text(r: dict) -> str:
@@ -220,16 +259,29 @@ def target_text(r: dict) -> str:
     return f"target {op} {r['target']}x"
 
 
+def _range(r: dict, fmt: str) -> str:
+    if "min" not in r:
+        return ""
+    return f"{r['min']:{fmt}}-{r['max']:{fmt}}, spread {100 * (r['spread'] or 0):.0f}%"
+
+
 def print_table(title: str, rows: list[dict], ratios: list[dict]) -> None:
+    """Medians with their min-max and spread ((max - min) / median) over the repeats."""
     print(f"\n{title}")
     width = max(len(r["name"]) for r in rows + ratios)
     for r in rows:
         runs = ", ".join(f"{v:.1f}" for v in r["runs"])
-        print(f"  {r['name']:<{width}}  {r['median']:9.1f} {r['unit']}  (runs: {runs})")
+        print(
+            f"  {r['name']:<{width}}  {r['median']:9.1f} {r['unit']}"
+            f"  (min-max {_range(r, '.1f')}; runs: {runs})"
+        )
     for r in ratios:
         verdict = "met" if r["met"] else "NOT met"
         note = "reference" if r["target"] is None else f"{target_text(r)}: {verdict}"
-        print(f"  {r['name']:<{width}}  {r['ratio']:9.2f}x  ({note})")
+        if r.get("stretch") is not None:
+            note += f"; stretch {r['stretch']}x: {'met' if r['stretch_met'] else 'NOT met'}"
+        span = f"  [min-max {_range(r, '.2f')}]" if "min" in r else ""
+        print(f"  {r['name']:<{width}}  {r['ratio']:9.2f}x{span}  ({note})")
 
 
 def measured(name: str, runs: list[float], unit: str, foreign: list[float]) -> dict:
@@ -237,10 +289,15 @@ def measured(name: str, runs: list[float], unit: str, foreign: list[float]) -> d
     return {
         "name": name,
         "median": round(median(runs), 2),
-        "runs": runs,
+        **spread(runs),
         "unit": unit,
         "foreign_cores": foreign,
     }
+
+
+# The CPU flags the kernels' speed depends on (the full list is long).
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+              "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")  # fmt: skip
 
 
 def machine() -> dict:
@@ -258,6 +315,9 @@ def machine() -> dict:
     return {
         "cpu": info.get("model name", platform.processor()),
         "bf16_isa": [f for f in ("amx_bf16", "avx512_bf16") if f in flags],
+        "simd_flags": [f for f in SIMD_FLAGS if f in flags],
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkldnn_bf16_supported": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch": torch.__version__,
         "cuda": torch.cuda.is_available(),
