@@ -69,7 +69,8 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
             err.add_note(stalled)  # which ranks did not arrive, and where they were
         # The line goes out before the teardown: a launcher ends the other ranks as soon as
         # one exits, and every rank that failed should have said why by then.
-        report(err)
+        if report(err) is not None:
+            phases.end_together()
         raise
     finally:
         phases.close()

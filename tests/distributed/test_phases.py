@@ -45,3 +45,39 @@ def test_close_waits_for_the_publisher():
     """A daemon thread still inside a store call at interpreter exit aborts the process
     ("terminate called without an active exception") after a run that succeeded."""
     assert run_ranks(publishers_left_after_close, 2) == [[], []]
+
+
+def seconds_to_end(env):
+    """How long end_together kept this rank; rank 0 ends (prints its line) 1 s after rank 1."""
+    phases = Phases(env)
+    dist.barrier()
+    if env.rank == 0:
+        time.sleep(1.0)
+    started = time.monotonic()
+    phases.end_together(within=3.0)
+    waited = time.monotonic() - started
+    phases.close()
+    return waited
+
+
+def test_a_failed_rank_waits_for_the_others_to_say_why_too():
+    # A launcher ends all ranks once the first exits: rank 1 must not exit before rank 0,
+    # slower to its line, has printed it.
+    late, early = run_ranks(seconds_to_end, 2)
+    assert late < 0.5 and 0.7 < early < 2.5, (late, early)
+
+
+def alone(env):
+    phases = Phases(env)
+    started = time.monotonic()
+    if env.rank == 1:
+        phases.end_together(within=1.0)  # rank 0 carries on (in a collective, say)
+    else:
+        time.sleep(2.0)
+    waited = time.monotonic() - started
+    phases.close()
+    return waited
+
+
+def test_a_rank_ending_alone_gives_up_after_within():
+    assert 0.9 < run_ranks(alone, 2)[1] < 1.8

@@ -22,6 +22,8 @@ ORDER = ("data fetch", "forward", "backward", "optimizer step", "step agreement"
 PUBLISH_EVERY = 0.5  # seconds
 JOIN_WITHIN = 5.0  # seconds: a store call on a lost host gives up later; exit then anyway
 _KEY = "ddptrain/phase/{rank}"
+_ENDED = "ddptrain/ended_reported"
+END_WITHIN = 3.0  # seconds a failed rank waits for the others to print their lines
 
 
 class Phases:
@@ -51,6 +53,22 @@ class Phases:
         self._stopped.set()
         if self._publisher is not None:
             self._publisher.join(timeout=JOIN_WITHIN)
+
+    def end_together(self, within: float = END_WITHIN) -> None:
+        """After this rank printed why it ends: waits until every rank has (or `within` seconds
+        passed). A launcher ends all ranks as soon as the first exits, which cut off a rank
+        that had more to print before its line (rank 0's list of bad images)."""
+        if self._store is None:
+            return
+        deadline = time.monotonic() + within
+        try:
+            self._store.add(_ENDED, 1)
+            while self._store.add(_ENDED, 0) < self.env.world_size:
+                if time.monotonic() > deadline:
+                    return  # the others are elsewhere (a collective, a hang): not ending with us
+                time.sleep(0.05)
+        except Exception:  # the store's host is gone: nobody left to wait for
+            pass
 
     def _publish(self) -> None:
         published = None
