@@ -15,6 +15,11 @@ from ddptrain.dist.ports import free_port
 from ddptrain.state import sharded
 
 DEADLINE = 240  # seconds: a hang fails the test instead of stalling CI
+# The crop of tests that train in bf16. At tiny_args' 16 px, resnet18's layer4 convolves 1x1
+# maps, where oneDNN's bf16 backward (torch 2.14.1, on an AVX512 CPU without native bf16)
+# now and then writes non-finite values into layer4.0.conv1's weight gradient; at 32 px the
+# map is 2x2 and that was never seen.
+BF16_CROP = 32
 
 
 def env_with(**extra) -> dict:
