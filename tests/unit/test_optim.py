@@ -43,7 +43,7 @@ def test_norm_layers_and_biases_get_their_own_weight_decay():
     )
 
 
-def test_a_torchvision_model_splits_as_torchvisions_references_do():
+def test_norm_layers_and_biases_of_a_torchvision_model_skip_weight_decay():
     model = torchvision.models.resnet18(num_classes=3)
     decay, no_decay = param_groups(model, 1e-4, 0.0)
     norm = [p for m in model.modules() if isinstance(m, nn.BatchNorm2d) for p in m.parameters()]
