@@ -324,6 +324,14 @@ def machine() -> dict:
     }
 
 
+def native_amp() -> str:
+    """The amp a bench runs by default: bf16 where the CPU computes bf16 in hardware
+    (avx512_bf16, AMX), else none (fp32). oneDNN's own check
+    (torch.ops.mkldnn._is_mkldnn_bf16_supported) also answers yes for plain AVX-512, where
+    bf16 is emulated and slower than fp32."""
+    return "bf16" if machine()["bf16_isa"] else "none"
+
+
 def write_results(name: str, quick: bool, settings: dict, rows: list, ratios: list) -> Path:
     """bench/results/NAME.json (a --quick run writes under bench/.data, never over results)."""
     folder = CACHE / "results-quick" if quick else RESULTS

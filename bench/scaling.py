@@ -5,8 +5,9 @@ against 1 rank with 1 thread, same global batch, once per DDP gradient communica
 Each rank runs ddptrain's own pieces (distributed.init, the model, precision, DDP wrapping with
 its Communication, trainer.train_epoch) on uint8 batches preloaded in memory, so data loading
 is not what is measured: the figure is compute plus gradient all-reduce. resnet18 at 224 px,
---amp bf16. Another contender runs the 2 ranks without DDP (no gradient all-reduce): what the
-two cores give when nothing is communicated, the ceiling each 2-rank figure is set against.
+--amp bf16 where the CPU has bf16 units, else fp32 (common.native_amp; --amp to choose).
+Another contender runs the 2 ranks without DDP (no gradient all-reduce): what the two cores
+give when nothing is communicated, the ceiling each 2-rank figure is set against.
 After the repeats, two more 2-rank runs, hook none and the ceiling, are profiled
 (torch.profiler, rank 0, the timed steps): where a 2-rank step's time goes, and what the
 all-reduce adds to it.
@@ -71,12 +72,12 @@ class TopOps:
 
 
 def rank_main(
-    batch: int, image_size: int, steps: int, hook: str | None, profiled: bool = False
+    batch: int, image_size: int, steps: int, hook: str | None, amp: str, profiled: bool = False
 ) -> None:
     """One rank, under torchrun: a short warm-up epoch, then `steps` steps; rank 0 prints
     samples/s. `hook` None: the model is not wrapped in DDP."""
     config = Config(
-        dummy=True, batch_size=batch, workers=0, image_size=image_size, amp="bf16",
+        dummy=True, batch_size=batch, workers=0, image_size=image_size, amp=amp,
         device="cpu", lr=0.1 * batch / 256, print_freq=10**9, epochs=2,
     )  # fmt: skip
     env = init_distributed(config)
@@ -104,20 +105,22 @@ def rank_main(
         teardown_distributed()
 
 
-def launch(ranks: int, s: common.Scale, steps: int, hook: str | None, profiled=False) -> dict:
+def launch(
+    ranks: int, s: common.Scale, steps: int, hook: str | None, amp: str, profiled=False
+) -> dict:
     cmd = common.python(
         "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
         "-m", "bench.scaling", "--rank-main", "--batch", str(s.batch),
         "--image-size", str(s.image_size), "--steps", str(steps),
-        "--hook", hook or "nosync", *(["--profiled"] if profiled else []),
+        "--hook", hook or "nosync", "--amp", amp, *(["--profiled"] if profiled else []),
     )  # fmt: skip
     result = common.run_json(cmd, common.subprocess_env(OMP_NUM_THREADS="1"))
     assert result["threads"] == 1, result
     return result
 
 
-def measure(ranks: int, s: common.Scale, steps: int, hook: str | None = "none") -> float:
-    return launch(ranks, s, steps, hook)["samples_per_sec"][-1]
+def measure(ranks: int, s: common.Scale, steps: int, amp: str, hook: str | None = "none") -> float:
+    return launch(ranks, s, steps, hook, amp)["samples_per_sec"][-1]
 
 
 def row_name(hook: str | None) -> str:
@@ -146,20 +149,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--image-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--amp", choices=("none", "bf16"), help="default: common.native_amp")
     parser.add_argument("--hook", help=argparse.SUPPRESS)
     parser.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_main:
         hook = None if args.hook == "nosync" else args.hook
-        rank_main(args.batch, args.image_size, args.steps, hook, args.profiled)
+        rank_main(args.batch, args.image_size, args.steps, hook, args.amp, args.profiled)
         return {}
     s = common.scale(args.quick)
     if args.repeats:
         s = dataclasses.replace(s, repeats=args.repeats)
     steps = 2 if args.quick else 5
-    contenders = {"1 rank, 1 thread": lambda: measure(1, s, steps)}
+    amp = args.amp or common.native_amp()
+    contenders = {"1 rank, 1 thread": lambda: measure(1, s, steps, amp)}
     for hook in [*args.hooks, None]:
-        contenders[row_name(hook)] = lambda hook=hook: measure(2, s, steps, hook)
+        contenders[row_name(hook)] = lambda hook=hook: measure(2, s, steps, amp, hook)
     rows = common.compare(contenders, s, "samples/s")
     ceiling = row_name(None)
     ratios = [
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     for hook in ("none", None):
         if s.tries > 1:
             common.wait_for_quiet()
-        result = launch(2, s, steps, hook, profiled=True)
+        result = launch(2, s, steps, hook, amp, profiled=True)
         profiles[row_name(hook)] = {
             "steps": steps,
             "samples_per_sec": round(result["samples_per_sec"][-1], 2),
@@ -193,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
         }
     settings = {
         "arch": "resnet18",
-        "amp": "bf16",
+        "amp": amp,
         "image_size": s.image_size,
         "global_batch": s.batch,
         "data": "uint8 batches preloaded in memory (no decoding)",

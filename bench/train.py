@@ -6,6 +6,9 @@
      classic fp32 step on the same in-memory batches and threads (bench.step);
   b. ddptrain against its own compute bound (bench.bound: the same loop fed from memory).
 
+bf16 runs where the CPU has bf16 units (common.native_amp; --amps to choose): elsewhere it is
+emulated, slower than fp32. The compute bound is taken in the first of the amps.
+
 So every target is a ratio to a ceiling measured on the same CPU, which means the same on any.
 
 Every contender trains resnet18 at 224 px with the same global batch and loader workers on
@@ -90,25 +93,28 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke check")
     parser.add_argument("--repeats", type=int, help="runs of each contender (default: the scale's)")
+    parser.add_argument("--amps", nargs="+", choices=("bf16", "none"), help="default: bf16 (where "
+                        "the CPU has bf16 units) and none")  # fmt: skip
     args = parser.parse_args(argv)
     quick = args.quick
+    amps = args.amps or (["bf16", "none"] if common.native_amp() == "bf16" else ["none"])
+    named = {"bf16": "bf16", "none": "fp32"}
     s = common.scale(quick)
     if args.repeats:
         s = dataclasses.replace(s, repeats=args.repeats)
     root = common.jpeg_folder(s)
-    contenders = {
-        "classic loop, fp32": lambda: classic(root, s),
-        "ddptrain, fp32": lambda: ddptrain(root, s, "none"),
-        "ddptrain, bf16": lambda: ddptrain(root, s, "bf16"),
-        "ddptrain compute bound, bf16": lambda: bound(root, s, "bf16"),
-        "step only: classic, fp32": lambda: step(s, "classic", quick),
-        "step only: ddptrain, fp32": lambda: step(s, "none", quick),
-        "step only: ddptrain, bf16": lambda: step(s, "bf16", quick),
-    }
+    contenders = {"classic loop, fp32": lambda: classic(root, s)}
+    for amp in amps:
+        contenders[f"ddptrain, {named[amp]}"] = lambda amp=amp: ddptrain(root, s, amp)
+    bound_name = f"ddptrain compute bound, {named[amps[0]]}"
+    contenders[bound_name] = lambda: bound(root, s, amps[0])
+    contenders["step only: classic, fp32"] = lambda: step(s, "classic", quick)
+    for amp in amps:
+        contenders[f"step only: ddptrain, {named[amp]}"] = lambda amp=amp: step(s, amp, quick)
     rows = common.compare(contenders, s, "samples/s")
     classic_e2e, classic_step = "classic loop, fp32", "step only: classic, fp32"
     ratios = []
-    for amp in ("bf16", "fp32"):
+    for amp in (named[a] for a in amps):
         e2e, only = f"ddptrain, {amp}", f"step only: ddptrain, {amp}"
         ratios += [
             common.paired_ratio(
@@ -127,16 +133,18 @@ def main(argv: list[str] | None = None) -> dict:
                 TARGETS["step"],
             ),
         ]  # fmt: skip
+    first = named[amps[0]]
     ratios.append(
         common.paired_ratio(
-            "b. ddptrain bf16 / its compute bound",
+            f"b. ddptrain {first} / its compute bound",
             rows,
-            lambda m: m["ddptrain, bf16"] / m["ddptrain compute bound, bf16"],
+            lambda m: m[f"ddptrain, {first}"] / m[bound_name],
             TARGETS["bound"],
         )
     )
     settings = {
         "arch": "resnet18",
+        "amps": amps,
         "image_size": s.image_size,
         "global_batch": s.batch,
         "workers": WORKERS,
