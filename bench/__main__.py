@@ -14,7 +14,7 @@ def main() -> None:
     for r in ratios:
         verdict = "reference" if r["met"] is None else ("met" if r["met"] else "NOT met")
         target = "" if r["target"] is None else f" ({common.target_text(r)})"
-        print(f"  {r['name']:<45} {r['ratio']:6.2f}x{target}: {verdict}")
+        print(f"  {r['name']:<52} {r['ratio']:6.2f}x{target}: {verdict}")
 
 
 if __name__ == "__main__":
