@@ -5,7 +5,13 @@ from torch import nn
 from ddptrain.config import Config
 from ddptrain.errors import UserError
 from ddptrain.model import precision
-from ddptrain.model.precision import Precision, auto_amp, bf16_units, resolve_precision
+from ddptrain.model.precision import (
+    Precision,
+    auto_amp,
+    bf16_units,
+    cpu_bf16_units,
+    resolve_precision,
+)
 from ddptrain.train.trainer import Step
 
 CPU = torch.device("cpu")
@@ -86,6 +92,24 @@ def test_auto_keeps_a_seeded_cpu_run_in_fp32_where_bf16_would_not_repeat():
     amp, reason = auto_amp("cpu", has_bf16_units=True, bitwise=True)
     assert amp == "none" and "--seed" in reason
     assert auto_amp("cuda", has_bf16_units=True, bitwise=True)[0] == "bf16"
+
+
+@pytest.mark.parametrize(
+    ("cpu", "machine", "avx512_bf16", "amx", "onednn_bf16", "units"),
+    [
+        ("AVX2 only", "x86_64", False, False, False, False),
+        # oneDNN emulates bf16 on plain AVX-512 and says it supports it: 4x slower than fp32
+        ("AVX-512 without bf16", "x86_64", False, False, True, False),
+        ("avx512_bf16", "x86_64", True, False, True, True),
+        ("AMX", "x86_64", True, True, True, True),
+        ("Arm with the bf16 extension", "aarch64", False, False, True, True),
+        ("Arm without it", "aarch64", False, False, False, False),
+    ],
+)
+def test_a_cpu_has_bf16_units_only_where_it_computes_bf16_in_hardware(
+    cpu, machine, avx512_bf16, amx, onednn_bf16, units
+):
+    assert cpu_bf16_units(machine, avx512_bf16, amx, onednn_bf16) is units, cpu
 
 
 def test_auto_takes_fp32_on_other_devices():
