@@ -88,6 +88,20 @@ def test_resume_from_a_hostile_checkpoint(tiny_data, tmp_path, command, make):
     _nothing_ran(marker)
 
 
+@pytest.mark.parametrize("make", [_saved_with_torch, _handmade_zip], ids=["torch", "zip"])
+@pytest.mark.parametrize("command", ["export", "pretrained"])
+def test_export_and_pretrained_never_run_a_hostile_file(tiny_data, tmp_path, command, make):
+    marker = tmp_path / "ran"
+    hostile = make(tmp_path / "hostile.pt", marker)
+    if command == "export":
+        result = timed(lambda: ddptrain("export", hostile, "--out", tmp_path / "w.safetensors"))
+    else:
+        args = (*tiny_args(tiny_data, tmp_path / "out"), "--pretrained", hostile)
+        result = timed(lambda: ddptrain("train", *args))
+    _refused_in_one_line(result, str(hostile))
+    _nothing_ran(marker)
+
+
 def test_resume_auto_never_runs_a_planted_checkpoint(tiny_data, tmp_path):
     out, marker = tmp_path / "out", tmp_path / "ran"
     ok(ddptrain("train", *tiny_args(tiny_data, out)))
