@@ -364,7 +364,7 @@ def _stop(run: Run, state: TrainState, sums: Sums, carried: torch.Tensor, signum
     raise Stopped(
         signum,
         f"stopped by {signal.Signals(signum).name} after global step {state.global_step} "
-        f"({state.epoch_step} steps of epoch {state.epoch + 1} done); checkpoint in "
+        f"(step {state.epoch_step} of epoch {state.epoch + 1}); checkpoint in "
         f"{run.config.out_dir}: continue with --resume auto",
     )
 
