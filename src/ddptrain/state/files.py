@@ -107,7 +107,6 @@ def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None
     leaves the previous checkpoint in place, and so does a failed write, which raises
     WriteFailed. Call on the main rank only."""
     data = serialized(checkpoint)
-    best = best_copy(checkpoint)
     step = checkpoint["global_step"]
     path = out_dir / f"checkpoint-{step:09d}.pt"
     try:
@@ -115,6 +114,7 @@ def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None
         faults.kill_point("after_rename", step)
         _link_latest(path, out_dir / LATEST)
         if is_best:
+            best = best_copy(checkpoint)
             atomic_write(out_dir / BEST, data if best is checkpoint else serialized(best))
     except WriteFailed as err:
         raise WriteFailed(
