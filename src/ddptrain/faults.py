@@ -13,6 +13,8 @@ Inert unless the DDPTRAIN_TEST_* environment variables are set; nothing else rea
 - DDPTRAIN_TEST_STALL_RANK=N hangs rank N forever before its first step, as a wedged process.
 - DDPTRAIN_TEST_NAN=RANK:STEP makes global rank RANK's batch NaN at global step STEP, as a
   blow-up on one rank.
+- DDPTRAIN_TEST_NAN_GRAD=RANK:STEP makes global rank RANK's first gradient NaN at global step
+  STEP while its loss stays finite, as a backward that overflows.
 - DDPTRAIN_TEST_ENOSPC=GLOB makes every write of a file whose name matches GLOB (fnmatch, e.g.
   `checkpoint-000000006.pt`, `config.json`, `metrics.jsonl`, `*.png`, `model_best.dcp`) fail as
   on a full disk, once its bytes are written and before they are committed.
@@ -25,12 +27,13 @@ import signal
 import time
 from pathlib import Path
 
-KILL, ONCE, SIGNAL, STALL, NAN, ENOSPC = (
+KILL, ONCE, SIGNAL, STALL, NAN, NAN_GRAD, ENOSPC = (
     "DDPTRAIN_TEST_KILL",
     "DDPTRAIN_TEST_KILL_ONCE",
     "DDPTRAIN_TEST_SIGNAL",
     "DDPTRAIN_TEST_STALL_RANK",
     "DDPTRAIN_TEST_NAN",
+    "DDPTRAIN_TEST_NAN_GRAD",
     "DDPTRAIN_TEST_ENOSPC",
 )
 POINTS = ("data", "backward", "between", "before_rename", "after_rename")
@@ -70,6 +73,22 @@ def poison(images, step: int):
     if os.environ.get(NAN) == f"{_rank}:{step}":
         return images * float("nan")
     return images
+
+
+def poison_gradient(model, step: int) -> None:
+    """The first parameter's gradient NaN in this step's backward, where DDPTRAIN_TEST_NAN_GRAD
+    asks for it (once: the hook passes gradients through after that)."""
+    if os.environ.get(NAN_GRAD) != f"{_rank}:{step}":
+        return
+    used = []
+
+    def once(grad):
+        if used:
+            return grad
+        used.append(True)
+        return grad * float("nan")
+
+    next(model.parameters()).register_hook(once)
 
 
 def maybe_stall(rank: int) -> None:

@@ -18,13 +18,34 @@ def test_a_learning_rate_that_blows_up_stops_every_rank(tiny_data, tmp_path):
     # Step 1's update with lr 1e30 leaves huge but finite weights; step 2's loss is not finite.
     args = ("train", *tiny_args(tiny_data, tmp_path), "--lr", "1e30", "--epochs", 2)
     result = torchrun(2, *args, "--checkpoint-every", 1, "--resume", "auto")
-    needles = ("the loss became non-finite", "global step 2", "checkpoint-000000001.pt")
+    needles = ("became non-finite", "global step 2", "checkpoint-000000001.pt")
     assert_user_error(result, *needles, traceback_allowed=True)  # torchrun's own summary
     errors = [line for line in result.stderr.splitlines() if "ddptrain: error:" in line]
     assert len(errors) == 2 and errors[0] == errors[1]  # both ranks, the same step
     assert [p.name for p in numbered(tmp_path)] == ["checkpoint-000000001.pt"]
     assert weights_finite(load(tmp_path / "checkpoint-000000001.pt"))
     assert not (tmp_path / "metrics.jsonl").exists()  # no epoch record of NaN
+
+
+def test_a_non_finite_gradient_with_a_finite_loss_stops_at_its_own_step(tiny_data, tmp_path):
+    # Rank 1's gradient at step 2 is NaN, its loss is not: without the gradient check, step 2
+    # would write NaN weights and only the save (or step 3's loss) would notice.
+    poisoned = {"DDPTRAIN_TEST_NAN_GRAD": "1:2"}
+    args = ("train", *tiny_args(tiny_data, tmp_path), "--checkpoint-every", 1)
+    result = torchrun(2, *args, env=poisoned)
+    needles = ("loss or its gradients became non-finite", "global step 2", "000000001.pt")
+    assert_user_error(result, *needles, traceback_allowed=True)  # torchrun's own summary
+    errors = [line for line in result.stderr.splitlines() if "ddptrain: error:" in line]
+    assert len(errors) == 2 and errors[0] == errors[1]
+    assert [p.name for p in numbered(tmp_path)] == ["checkpoint-000000001.pt"]
+
+
+def test_skip_drops_a_step_whose_gradient_alone_is_not_finite(tiny_data, tmp_path):
+    poisoned = {"DDPTRAIN_TEST_NAN_GRAD": "0:3"}
+    args = ("train", *tiny_args(tiny_data, tmp_path), "--epochs", 2, "--nonfinite", "skip")
+    ok(torchrun(2, *args, env=poisoned))
+    assert [r["skipped"] for r in train_records(tmp_path)] == [1, 0]
+    assert weights_finite(training_state(tmp_path))
 
 
 def test_skip_drops_the_bad_step_on_every_rank_and_goes_on(tiny_data, tmp_path):

@@ -21,7 +21,7 @@ from ddptrain.dist.collectives import broadcast_buffers
 from ddptrain.dist.env import DistEnv
 from ddptrain.dist.phases import Phases
 from ddptrain.errors import Stopped, UserError
-from ddptrain.model.parallelize import is_sharded, no_gradient_sync, unwrap
+from ddptrain.model.parallelize import no_gradient_sync, unwrap
 from ddptrain.model.precision import Precision
 from ddptrain.report.metrics import Sums, summarize
 from ddptrain.report.profile import StepProfiler
@@ -79,20 +79,25 @@ class Step:
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss / self.accum_steps if self.accum_steps > 1 else loss)
 
-    def gradients_finite(self) -> bool:
-        """Whether every gradient is finite, the same answer on every rank (DDP's are reduced
-        over the ranks; FSDP's shards are agreed on). A host synchronisation: --nonfinite skip
-        pays it at every step, to decide before the update."""
-        flags = [
-            torch.isfinite(getattr(p.grad, "_local_tensor", p.grad)).all()
-            for p in self.model.parameters()
-            if p.grad is not None
-        ]
-        finite = (
-            torch.stack(flags).all().to(torch.int32) if flags else torch.ones((), dtype=torch.int32)
-        )
-        if is_sharded(self.model):
-            finite = finite.reshape(1)
+    def finite(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """Whether this rank's losses and gradients (its shards under fsdp) are all finite: a
+        flag on the device, so asking costs no host synchronisation. One fused max |g| over the
+        gradients: it is NaN or inf exactly when one of them is, and cannot overflow. Under
+        fp16 only the losses count: the scaler's gradients are inf whenever its scale overflows,
+        and it skips those steps itself."""
+        flags = [torch.isfinite(loss).all() for loss in losses]
+        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in self.model.parameters()]
+        grads = [g for g in grads if g is not None]
+        if self.precision.scaler is None and grads:
+            largest = torch.nn.utils.get_total_norm(grads, norm_type=float("inf"), foreach=True)
+            flags.append(torch.isfinite(largest))
+        return torch.stack(flags).all()
+
+    def agreed_finite(self, losses: list[torch.Tensor]) -> bool:
+        """`finite`, the same answer on every rank. A host synchronisation (and an all-reduce of
+        one number): --nonfinite skip pays it at every step, to decide before the update."""
+        finite = self.finite(losses).to(torch.int32).reshape(1)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
         return bool(finite)
 
@@ -114,7 +119,8 @@ class Step:
             self.scheduler.step()
 
     def __call__(self, images: torch.Tensor, target: torch.Tensor):
-        """Returns the batch's mean loss (detached when accumulated) and its logits."""
+        """Returns the batch's mean loss (detached when accumulated; NaN when a gradient was
+        not finite) and its logits."""
         losses, outputs = [], []
         chunks = zip(images.chunk(self.accum_steps), target.chunk(self.accum_steps), strict=True)
         for i, (micro_images, micro_target) in enumerate(chunks):
@@ -131,7 +137,13 @@ class Step:
                 self.backward(loss)
             losses.append(loss.detach())
             outputs.append(output)
-        self.skipped = self.skip_nonfinite and not self.gradients_finite()
+        loss = losses[0] if self.accum_steps == 1 else torch.stack(losses).mean()
+        if self.skip_nonfinite:
+            self.skipped = not self.agreed_finite(losses)
+        else:
+            # --nonfinite error: a step whose gradients are not finite reports a NaN loss, so
+            # the checks on the loss (train_epoch's, on device) catch it at this very step.
+            loss = torch.where(self.finite(losses), loss, float("nan"))
         if self.skipped:
             self.optimizer.zero_grad(set_to_none=True)  # the update dropped on every rank
         else:
@@ -139,9 +151,7 @@ class Step:
             self.clip()
             self.optimizer_step()
         self.schedule()
-        if self.accum_steps == 1:
-            return losses[0], outputs[0]
-        return torch.stack(losses).mean(), torch.cat(outputs)
+        return loss, outputs[0] if self.accum_steps == 1 else torch.cat(outputs)
 
 
 @torch.no_grad()
@@ -282,6 +292,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
             images, target = run.criterion.prepare(images, target, torch.default_generator)
         images = faults.poison(images, state.global_step + 1)
         _backward_fault(model, state.global_step + 1)
+        faults.poison_gradient(model, state.global_step + 1)
         loss, output = step_once(images, target)
         state.global_step += 1
         if step_once.skipped:
@@ -341,8 +352,8 @@ def _nonfinite(run: Run, global_step: int, at_or_before: bool = False) -> None:
         else f"at global step {global_step}"
     )
     raise UserError(
-        f"the loss became non-finite {when} (--nonfinite error); {last}: resume from it with "
-        "--resume auto and a lower --lr, or train with --nonfinite skip"
+        f"the loss or its gradients became non-finite {when} (--nonfinite error); {last}: "
+        "resume from it with --resume auto and a lower --lr, or train with --nonfinite skip"
     )
 
 
