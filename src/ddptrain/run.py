@@ -360,8 +360,10 @@ def _prepare(
 
 
 def _load(path: Path) -> dict:
+    # Mapped, not read: the ranks of a host share one copy in the page cache, and a rank reads
+    # only the tensors it uses (under fsdp rank 0's weights are broadcast, the others' unread).
     try:
-        return load(path)
+        return load(path, mmap=True)
     except UserError as err:
         raise UserError(f"--resume: {err}") from None
 
