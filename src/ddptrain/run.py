@@ -246,10 +246,10 @@ def _check_trainable(saved: dict, path: Path) -> None:
     """A model_best.pt whose model is the EMA (files.best_copy) evaluates, but cannot go on
     training: the raw weights it averaged are in the numbered checkpoint of its step."""
     if saved.get("weights") == "model_ema":
-        step = saved["global_step"]
+        numbered = f"checkpoint-{saved['global_step']:09d}{'.dcp' if path.is_dir() else '.pt'}"
         raise UserError(
             f"--resume: {path} holds the EMA of the weights as its model (the average scored "
-            f"best): evaluate it with --evaluate, or resume training from checkpoint-{step:09d}.pt"
+            f"best): evaluate it with --evaluate, or resume training from {numbered}"
         )
 
 

@@ -137,3 +137,45 @@ def test_a_full_disk_while_committing_is_one_line_and_leaves_no_temp_folder(
     assert files.load(out_dir / "model_best.dcp")["global_step"] == 20  # the earlier best
     newest = 20 if name == "state.pt" else 30  # a failed best copy keeps the new checkpoint
     assert files.resolve("auto", out_dir) == out_dir / f"checkpoint-{newest:09d}.dcp"
+
+
+def ema_checkpointer(out_dir, model, optimizer, scheduler):
+    from ddptrain.train.ema import ModelEma
+
+    ema = ModelEma(model, decay=0.5)
+    ema.update(model, 1)  # the first update copies the weights
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the raw weights move on: the average is now another model
+    ema.update(model, 2)
+    saver = sharded_checkpointer(out_dir, model, optimizer, scheduler)
+    saver.parts["model_ema"] = ema
+    return saver, ema
+
+
+def test_when_the_ema_scored_best_model_best_holds_its_weights(tmp_path):
+    model, optimizer, scheduler = trained_model()
+    saver, ema = ema_checkpointer(tmp_path, model, optimizer, scheduler)
+    state = TrainState(epoch=1, global_step=10, best_acc1=9.0, best_model="model_ema")
+    saver.save(state, is_best=True)
+    best = sharded.to_single(tmp_path / sharded.BEST)
+    assert best["weights"] == "model_ema" and best["best_model"] == "model_ema"
+    for name, tensor in ema.module.state_dict().items():
+        assert best["model"][name].equal(tensor), name
+    raw = sharded.to_single(tmp_path / "checkpoint-000000010.dcp")
+    assert "weights" not in raw
+    assert not raw["model"]["fc.weight"].equal(best["model"]["fc.weight"])
+    assert raw["model"]["fc.weight"].equal(model.state_dict()["fc.weight"])
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_full_disk_on_an_ema_best_leaves_the_earlier_best(saved, monkeypatch):
+    out_dir, model, optimizer = saved
+    monkeypatch.setenv("DDPTRAIN_TEST_ENOSPC", "model_best.dcp")
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 30)
+    saver, _ = ema_checkpointer(out_dir, model, optimizer, scheduler)
+    state = TrainState(epoch=3, global_step=30, best_acc1=9.0, best_model="model_ema")
+    with pytest.raises(WriteFailed, match="model_best.dcp: No space left on device"):
+        saver.save(state, is_best=True)
+    assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".")]
+    assert files.load(out_dir / "model_best.dcp")["global_step"] == 20

@@ -201,17 +201,24 @@ class Checkpointer:
             {n: p.state_dict() for n, p in self.parts.items() if n not in tensors}, state
         )
 
+        # model_best.dcp holds the weights that scored best (files.best_copy): when they are the
+        # EMA's, which only ddp runs have (the same whole copy on every rank), it is written apart.
+        best_apart = is_best and state.best_model == "model_ema"
+
         def prepare() -> None:
             _check_finite({"model": _local(tensors["model"])}, state)  # each rank its shards
             if self.env.is_main:
-                sharded.prepare(self.out_dir, state.global_step)
+                sharded.prepare(self.out_dir, state.global_step, best_apart)
 
         agree(self.env, prepare, doing="writing a checkpoint")
-        sharded.write_shards(tensors, self.out_dir, state.global_step)
+        sharded.write_shards(tensors, sharded.temp_folder(self.out_dir, state.global_step))
+        if best_apart:
+            ema = {**tensors, "model": rest["model_ema"]["model"]}
+            sharded.write_shards(ema, sharded.best_temp_folder(self.out_dir))
 
         def commit() -> None:
             if self.env.is_main:
-                sharded.commit(self.out_dir, rest, is_best, self.keep_last)
+                sharded.commit(self.out_dir, rest, is_best, self.keep_last, best_apart)
                 self._write_config()
 
         agree(self.env, commit, doing="writing a checkpoint")

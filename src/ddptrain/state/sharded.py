@@ -6,8 +6,10 @@ the shards it holds, so no host ever gathers the whole model.
 checkpoint (counters, scheduler, run metadata), small plain data that rank 0 writes. A save goes
 into a temp folder renamed into place once every rank's shards and state.pt are in it, so a
 crash or a failed write never leaves a partial checkpoint under a checkpoint's name.
-`checkpoint.dcp` links to the newest, `model_best.dcp` is a copy. DCP reshards on load: a folder
-saved on N ranks resumes on any number, under fsdp or ddp.
+`checkpoint.dcp` links to the newest, `model_best.dcp` is a copy; when the EMA of the weights
+scored best (ddp runs only), it is written apart with the EMA's weights as its model, as
+files.best_copy does for the single file. DCP reshards on load: a folder saved on N ranks resumes
+on any number, under fsdp or ddp.
 
 A checkpoint folder is a file a user hands us, and DCP reads `.metadata` with plain pickle and its
 non-tensor items with torch.load(weights_only=False): both go through readers here that accept
@@ -163,20 +165,27 @@ def temp_folder(out_dir: Path, global_step: int) -> Path:
     return out_dir / f".checkpoint-{global_step:09d}{SUFFIX}.tmp"
 
 
-def prepare(out_dir: Path, global_step: int) -> None:
-    """Rank 0, before the ranks write: an empty temp folder for this save."""
-    tmp = temp_folder(out_dir, global_step)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-    except OSError as err:
-        raise write_failed(tmp, err) from None
+def best_temp_folder(out_dir: Path) -> Path:
+    """Where a model_best.dcp written apart (the EMA's weights) is put together."""
+    return out_dir / f".{BEST}.ema.tmp"
 
 
-def write_shards(tensors: dict, out_dir: Path, global_step: int) -> None:
-    """Every rank writes its shards of `tensors` into the save's temp folder. DCP's collectives
-    gather the plan and every rank's outcome: one rank's failed write fails it on every rank."""
-    tmp = temp_folder(out_dir, global_step)
+def prepare(out_dir: Path, global_step: int, best_apart: bool = False) -> None:
+    """Rank 0, before the ranks write: an empty temp folder for this save (and one for
+    model_best.dcp when it is written apart)."""
+    folders = [temp_folder(out_dir, global_step), *[best_temp_folder(out_dir)] * best_apart]
+    for tmp in folders:
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tmp.mkdir()
+        except OSError as err:
+            raise write_failed(tmp, err) from None
+
+
+def write_shards(tensors: dict, tmp: Path) -> None:
+    """Every rank writes its shards of `tensors` into the save's temp folder `tmp`. DCP's
+    collectives gather the plan and every rank's outcome: one rank's failed write fails it on
+    every rank."""
     try:
         with warnings.catch_warnings():  # one process: "assuming the intent is to save in a..."
             warnings.simplefilter("ignore", UserWarning)
@@ -190,13 +199,16 @@ def write_shards(tensors: dict, out_dir: Path, global_step: int) -> None:
         ) from None
 
 
-def commit(out_dir: Path, rest: dict, is_best: bool, keep_last: int) -> Path:
+def commit(
+    out_dir: Path, rest: dict, is_best: bool, keep_last: int, best_apart: bool = False
+) -> Path:
     """Rank 0, once every rank's shards are in the temp folder: writes state.pt, renames the
-    folder into place, links checkpoint.dcp to it, copies it to model_best.dcp when is_best, and
-    deletes the oldest checkpoints beyond keep_last. A failed write or rename raises
-    WriteFailed (one line) and leaves the checkpoints before it as they were."""
+    folder into place, links checkpoint.dcp to it, copies it to model_best.dcp when is_best (or,
+    `best_apart`, puts the EMA's folder there), and deletes the oldest checkpoints beyond
+    keep_last. A failed write or rename raises WriteFailed (one line) and leaves the
+    checkpoints before it as they were."""
     step = rest["global_step"]
-    tmp = temp_folder(out_dir, step)
+    tmp, best_tmp = temp_folder(out_dir, step), best_temp_folder(out_dir)
     path = out_dir / f"checkpoint-{step:09d}{SUFFIX}"
     try:
         files.atomic_write(tmp / STATE, files.serialized(rest))
@@ -204,10 +216,16 @@ def commit(out_dir: Path, rest: dict, is_best: bool, keep_last: int) -> Path:
         os.replace(tmp, path)
         files.fsync_dir(out_dir)
         _link(path, out_dir / LATEST)
-        if is_best:
+        if is_best and best_apart:
+            ema_marked = {**rest, "weights": "model_ema"}  # as files.best_copy marks it
+            files.atomic_write(best_tmp / STATE, files.serialized(ema_marked))
+            faults.disk_full(out_dir / BEST)
+            _swap_in(best_tmp, out_dir / BEST)
+        elif is_best:
             _copy_folder(path, out_dir / BEST)
     except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that did not commit: its space back
+        for folder in (tmp, best_tmp):  # a save that did not commit: its space back
+            shutil.rmtree(folder, ignore_errors=True)
         failed = err if isinstance(err, WriteFailed) else write_failed(err.filename or path, err)
         raise WriteFailed(
             f"{failed}; the checkpoints written before it are intact: make room, then "
@@ -227,11 +245,9 @@ def _link(target: Path, link: Path) -> None:
 
 
 def _copy_folder(source: Path, destination: Path) -> None:
-    """The copy is written beside destination and swapped in; a crash between the two renames
-    leaves the old copy as `.NAME.old`, which the next run's start removes."""
-    tmp, old = (destination.with_name(f".{destination.name}.{s}") for s in ("tmp", "old"))
-    for stale in (tmp, old):
-        shutil.rmtree(stale, ignore_errors=True)
+    """The copy is written beside destination and swapped in."""
+    tmp = destination.with_name(f".{destination.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     try:
         shutil.copytree(source, tmp)
         faults.disk_full(destination)
@@ -239,6 +255,14 @@ def _copy_folder(source: Path, destination: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         reason = err if isinstance(err, OSError) else OSError(first_line(err))
         raise write_failed(destination, reason, needed=_size(source)) from None
+    _swap_in(tmp, destination)
+
+
+def _swap_in(tmp: Path, destination: Path) -> None:
+    """The folder tmp renamed to destination, whose old version is set aside first: a crash
+    between the two renames leaves it as `.NAME.old`, which the next run's start removes."""
+    old = destination.with_name(f".{destination.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         os.replace(destination, old)
     os.replace(tmp, destination)
