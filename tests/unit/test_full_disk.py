@@ -184,3 +184,21 @@ def test_checkpoints_already_in_the_out_dir_count_as_room(tmp_path, monkeypatch)
     assert files.room_warning(tmp_path, size, keep_last=1) is None
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(0, 0, needed - size - 1))
     assert files.room_warning(tmp_path, size, keep_last=1)  # the link is not counted twice
+
+
+def test_sharded_checkpoints_in_the_out_dir_count_as_room_by_their_contents(tmp_path, monkeypatch):
+    from test_sharded_files import sharded_checkpointer
+
+    from ddptrain.state.checkpointer import TrainState
+
+    model, optimizer, scheduler = model_and_optimizer()
+    saver = sharded_checkpointer(tmp_path, model, optimizer, scheduler, keep_last=1)
+    saver.save(TrainState(global_step=1), is_best=True)  # the folder, its link, model_best.dcp
+    size = files.folder_bytes(tmp_path / "checkpoint-000000001.dcp")
+    assert size > 10 * (tmp_path / "checkpoint-000000001.dcp").stat().st_size
+    held = files.folder_bytes(tmp_path / "model_best.dcp") + size
+    needed = (1 + files.PEAK_EXTRA_CHECKPOINTS) * size
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(0, 0, needed - held))
+    assert files.room_warning(tmp_path, size, keep_last=1) is None
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(0, 0, needed - held - 1))
+    assert files.room_warning(tmp_path, size, keep_last=1)  # the link is not counted twice

@@ -189,10 +189,14 @@ def room_warning(out_dir: Path, checkpoint_bytes: int, keep_last: int) -> str | 
     except OSError:
         return None  # the save will say what is wrong
     inodes = {}
-    for path in [*numbered(out_dir), out_dir / LATEST, out_dir / BEST]:
+    kept = [*numbered(out_dir), out_dir / LATEST, out_dir / BEST]
+    kept += [out_dir / f"{Path(name).stem}.dcp" for name in (LATEST, BEST)]  # sharded format
+    for path in kept:
         with contextlib.suppress(OSError):
-            info = path.stat()
-            inodes[(info.st_dev, info.st_ino)] = info.st_size  # checkpoint.pt is a hard link
+            info = path.stat()  # checkpoint.pt is a hard link, checkpoint.dcp a symlink
+            inodes[(info.st_dev, info.st_ino)] = (
+                folder_bytes(path) if path.is_dir() else info.st_size
+            )
     if free + sum(inodes.values()) >= needed:
         return None
     return (
@@ -201,6 +205,11 @@ def room_warning(out_dir: Path, checkpoint_bytes: int, keep_last: int) -> str | 
         f"{PEAK_EXTRA_CHECKPOINTS} more during a save, of about {format_bytes(checkpoint_bytes)} "
         "each): saving may fail for lack of space"
     )
+
+
+def folder_bytes(folder: Path) -> int:
+    """What the files in a folder (a sharded checkpoint) take."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def resolve(

@@ -254,7 +254,7 @@ def _copy_folder(source: Path, destination: Path) -> None:
     except (OSError, shutil.Error) as err:
         shutil.rmtree(tmp, ignore_errors=True)
         reason = err if isinstance(err, OSError) else OSError(first_line(err))
-        raise write_failed(destination, reason, needed=_size(source)) from None
+        raise write_failed(destination, reason, needed=files.folder_bytes(source)) from None
     _swap_in(tmp, destination)
 
 
@@ -267,10 +267,6 @@ def _swap_in(tmp: Path, destination: Path) -> None:
         os.replace(destination, old)
     os.replace(tmp, destination)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _size(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def to_single(folder: Path) -> dict:
