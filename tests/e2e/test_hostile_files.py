@@ -4,6 +4,7 @@ and the user gets one clear line."""
 import io
 import os
 import pickle
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -141,3 +142,37 @@ def test_resume_auto_with_only_a_planted_checkpoint_is_refused(tiny_data, tmp_pa
     assert_user_error(result, "--resume auto", "no usable checkpoint", planted.name)
     assert f"skipping {planted}" in result.stderr
     _nothing_ran(marker)
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded")
+    ok(ddptrain("train", *tiny_args(tiny_data, out), "--checkpoint-format", "sharded"))
+    return out / "checkpoint-000000003.dcp"
+
+
+def _hostile_metadata(folder: Path, marker: Path) -> None:
+    (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+
+
+def _hostile_state(folder: Path, marker: Path) -> None:
+    _saved_with_torch(folder / "state.pt", marker)
+
+
+@pytest.mark.parametrize("plant", [_hostile_metadata, _hostile_state], ids=["metadata", "state"])
+@pytest.mark.parametrize("command", ["convert", "eval", "export"])
+def test_a_hostile_sharded_folder_never_runs(tiny_data, tmp_path, sharded_run, command, plant):
+    marker, folder = tmp_path / "ran", tmp_path / "hostile.dcp"
+    shutil.copytree(sharded_run, folder)
+    plant(folder, marker)
+    if command == "convert":
+        result = timed(lambda: ddptrain("convert", folder, tmp_path / "one.pt"))
+    elif command == "export":
+        result = timed(lambda: ddptrain("export", folder, "--out", tmp_path / "w.safetensors"))
+    else:
+        result = timed(
+            lambda: ddptrain("eval", *tiny_args(tiny_data, tmp_path), "--resume", folder)
+        )
+    _refused_in_one_line(result, str(folder), "never code")
+    _nothing_ran(marker)
+    assert not (tmp_path / "one.pt").exists() and not (tmp_path / "w.safetensors").exists()
