@@ -25,7 +25,7 @@ from ddptrain.data.synth import ensure_builtin
 from ddptrain.dist.collectives import agree, check_same, from_rank0
 from ddptrain.dist.env import DistEnv, SpawnSlot, init_distributed, teardown_distributed
 from ddptrain.dist.phases import Phases
-from ddptrain.errors import UserError, first_line, peer_lost, report
+from ddptrain.errors import Stopped, UserError, first_line, peer_lost, report
 from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.parallelize import Communication, checkpoint_parts, is_sharded, unwrap, wrap
 from ddptrain.model.precision import DTYPES, resolve_precision
@@ -69,7 +69,11 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
             err.add_note(stalled)  # which ranks did not arrive, and where they were
         # The line goes out before the teardown: a launcher ends the other ranks as soon as
         # one exits, and every rank that failed should have said why by then.
-        if report(err) is not None:
+        phases.ending = True
+        code = report(err)
+        if not isinstance(err, Stopped):  # a stop is agreed: every rank is stopping already
+            phases.abort()
+        if code is not None:
             phases.end_together()
         raise
     finally:

@@ -87,9 +87,11 @@ def launch(nproc: int, *args, timeout=DEADLINE) -> subprocess.CompletedProcess:
     return _run(cmd, timeout)
 
 
-def tcp_pair(*args, timeout=DEADLINE, rank_args=None) -> list[subprocess.CompletedProcess]:
+def tcp_pair(
+    *args, timeout=DEADLINE, rank_args=None, env=None
+) -> list[subprocess.CompletedProcess]:
     """Two independent invocations meeting at --dist-url tcp://; rank_args: extra arguments of
-    one rank, by rank."""
+    one rank, by rank; env: extra environment variables of both."""
     url = f"tcp://127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
@@ -109,7 +111,7 @@ def tcp_pair(*args, timeout=DEADLINE, rank_args=None) -> list[subprocess.Complet
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=env_with(),
+            env=env_with(**(env or {})),
         )
         for rank in range(2)
     ]

@@ -3,7 +3,9 @@ their error names the stalled rank and where it was (the stall sits at its first
 
 import time
 
-from cli import ddptrain, tiny_args, torchrun
+from cli import ddptrain, tcp_pair, tiny_args, torchrun
+
+from ddptrain.dist.phases import ABORT_GRACE
 
 TIMEOUT = 10
 
@@ -33,3 +35,19 @@ def test_a_stalled_rank_ends_the_job_under_multiprocessing(tiny_data, tmp_path):
     assert "ddptrain: error: lost contact with another rank" in result.stderr
     assert "; rank 1 was last in data fetch of global step 1 (" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_stalled_rank_without_a_launcher_ends_with_the_one_that_failed(tiny_data, tmp_path):
+    # Two invocations meeting at tcp://: no agent ends rank 1 when rank 0 gives up on it, and
+    # rank 1 is stuck where no error reaches it (under NCCL, a collective is such a place).
+    stall = {"DDPTRAIN_TEST_STALL_RANK": "1"}
+    args = (*tiny_args(tiny_data, tmp_path), "--dist-timeout", TIMEOUT)
+    start = time.monotonic()
+    failed, stuck = tcp_pair("train", *args, env=stall, timeout=TIMEOUT + ABORT_GRACE + 60)
+    assert time.monotonic() - start < TIMEOUT + ABORT_GRACE + 40
+    assert "ddptrain: error: lost contact with another rank" in failed.stderr
+    assert stuck.returncode == 1
+    assert (
+        "ddptrain: error: rank 0 failed (its own line says why), and rank 1, in data fetch of "
+        f"global step 1, did not end with it within {ABORT_GRACE:.0f} s: ended now"
+    ) in stuck.stderr

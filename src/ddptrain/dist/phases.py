@@ -7,9 +7,18 @@ the network. When a collective times out, the surviving ranks read every record 
 and name the ranks behind them and where they were, instead of a bare timeout. A rank stuck in
 Python (a hung loader, a lock) keeps publishing the phase it is stuck in; a frozen process's
 record is its last, at most half a second old when it froze.
+
+The same thread ends a rank that another rank's failure cannot reach: a failed rank sets an
+abort flag in the store (`abort`), and a rank that sees it and has not ended on its own within
+ABORT_GRACE (a gloo collective fails as soon as the failed rank exits; a NCCL collective or a
+hung loader waits until --dist-timeout, or forever) prints why and exits. Without torchrun's
+agent (--dist-url tcp://, SLURM's srun) nothing else would end it.
 """
 
+import contextlib
 import json
+import os
+import sys
 import threading
 import time
 
@@ -24,6 +33,9 @@ JOIN_WITHIN = 5.0  # seconds: a store call on a lost host gives up later; exit t
 _KEY = "ddptrain/phase/{rank}"
 _ENDED = "ddptrain/ended_reported"
 END_WITHIN = 3.0  # seconds a failed rank waits for the others to print their lines
+# Per launch attempt: a job torchrun restarts must not read the failure it restarts from.
+_ABORT = f"ddptrain/abort/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+ABORT_GRACE = 10.0  # seconds a rank told of another's failure has to end on its own
 
 
 class Phases:
@@ -32,10 +44,11 @@ class Phases:
         self.current = ("setup", 0, time.time())  # (phase, global step, when)
         self._store = _default_store() if env.distributed else None
         self._stopped = threading.Event()
+        self.ending = False  # this rank is on its way out: it reports its own end
         self._publisher = None
         if self._store is not None:
             self._publisher = threading.Thread(
-                target=self._publish, name="ddptrain-phases", daemon=True
+                target=self._watch, name="ddptrain-phases", daemon=True
             )
             self._publisher.start()
 
@@ -54,6 +67,14 @@ class Phases:
         if self._publisher is not None:
             self._publisher.join(timeout=JOIN_WITHIN)
 
+    def abort(self) -> None:
+        """This rank failed: the flag that ends the ranks its failure does not reach."""
+        self.ending = True
+        if self._store is not None:
+            # A store whose host is gone: the others lose it too, and their collectives fail.
+            with contextlib.suppress(Exception):
+                self._store.set(_ABORT, str(self.env.rank))
+
     def end_together(self, within: float = END_WITHIN) -> None:
         """After this rank printed why it ends: waits until every rank has (or `within` seconds
         passed). A launcher ends all ranks as soon as the first exits, which cut off a rank
@@ -70,16 +91,37 @@ class Phases:
         except Exception:  # the store's host is gone: nobody left to wait for
             pass
 
-    def _publish(self) -> None:
-        published = None
+    def _watch(self) -> None:
+        """Publishes this rank's phase when it changed, and ends it once another rank failed
+        and it did not end on its own within ABORT_GRACE."""
+        published, failed, seen = None, None, 0.0
         while not self._stopped.wait(PUBLISH_EVERY):
+            if failed is not None:  # the store may be gone by now: it is not needed any more
+                if time.monotonic() - seen > ABORT_GRACE and not self.ending:
+                    self._end_now(failed)
+                continue
             current = self.current
-            if current != published:
-                try:
+            try:
+                if current != published:
                     self._store.set(_KEY.format(rank=self.env.rank), json.dumps(current))
-                except Exception:  # the store's host is gone: nothing left to tell
-                    return
-                published = current
+                    published = current
+                if self._store.check([_ABORT]):
+                    failed, seen = int(self._store.get(_ABORT)), time.monotonic()
+            except Exception:  # the store's host is gone: nothing left to tell or hear
+                return
+
+    def _end_now(self, failed: int) -> None:
+        phase, step, _ = self.current
+        sys.stderr.write(
+            f"ddptrain: error: rank {failed} failed (its own line says why), and rank "
+            f"{self.env.rank}, in {phase} of global step {step}, did not end with it within "
+            f"{ABORT_GRACE:.0f} s: ended now\n"
+        )
+        sys.stderr.flush()
+        sys.stdout.flush()
+        with contextlib.suppress(Exception):  # a failed rank in end_together need not wait
+            self._store.add(_ENDED, 1)
+        os._exit(1)  # the main thread is blocked where no exception reaches it
 
     def stalled(self, limit: int = 8) -> str:
         """Names the ranks behind this one and their last phase, from the store: for the error
