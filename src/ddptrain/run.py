@@ -155,6 +155,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         record,
         config.keep_last,
         sharded_format=config.checkpoint_format == "sharded",
+        mark=phases.within_step,
     )
     state = _restore(checkpointer, saved, scheduler, config, steps_per_epoch)
     if precision.compile:
@@ -424,7 +425,7 @@ def _data_root(config: Config, env: DistEnv) -> Path | None:
 
 
 def _evaluate_only(run: trainer.Run, state: TrainState) -> TrainState:
-    val = trainer.evaluate(run.model, run.data.val_loader, run.env, run.precision)
+    val = run.evaluate(run.model, "evaluation", state.global_step)
     run.reporter.record({"split": "val", "epoch": state.epoch, **val})
     run.reporter.info(
         f"val: loss {val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} "

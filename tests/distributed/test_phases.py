@@ -32,6 +32,36 @@ def test_the_ranks_behind_are_named_with_their_phase():
     assert "; rank 0 was last in backward of global step 7 (" in stalled[2]
 
 
+def stalled_in(env, where):
+    phases = Phases(env)
+    phase, step, count = where[env.rank]
+    phases.enter(phase, step)
+    phases.count(count)
+    time.sleep(4 * PUBLISH_EVERY)  # published by the thread
+    dist.barrier()
+    stalled = phases.stalled()
+    dist.barrier()
+    phases.close()
+    return stalled
+
+
+def test_a_rank_behind_in_evaluation_is_named_with_its_batch():
+    # All ranks evaluate after the same step: the batch tells which one stopped.
+    where = {0: ("evaluation", 6, 10), 1: ("evaluation", 6, 3)}
+    stalled = run_ranks(stalled_in, 2, where)
+    assert stalled[0].startswith("rank 1 was last in evaluation, batch 3, of global step 6 (")
+    assert stalled[1] == ""
+
+
+def test_rank_0_stuck_writing_a_checkpoint_is_named_by_the_others():
+    where = {0: ("checkpoint: writing", 6, 0), 1: ("checkpoint: written", 6, 0)}
+    stalled = run_ranks(stalled_in, 2, where)
+    assert stalled[1].startswith("rank 0 was last in checkpoint: writing of global step 6 (")
+    assert stalled[0] == ""
+    after_eval = {0: ("checkpoint: gathering", 6, 0), 1: ("EMA evaluation", 6, 40)}
+    assert run_ranks(stalled_in, 2, after_eval)[0].startswith("rank 1 was last in EMA evaluation")
+
+
 def publishers_left_after_close(env):
     phases = Phases(env)
     for step in range(20):  # keep the publisher busy with new records up to the close

@@ -1,5 +1,6 @@
 """Where each rank is: its last phase (data fetch, forward, backward, optimizer step, step
-agreement, evaluation, checkpoint) and global step, for the error a stalled job ends with.
+agreement, evaluation and the batch it is on, the stage of a checkpoint) and global step, for the
+error a stalled job ends with.
 
 A rank records a phase with one tuple assignment; a daemon thread publishes the newest record
 to the process group's store twice a second when it changed, so the step loop never waits on
@@ -26,8 +27,14 @@ import torch.distributed as dist
 
 from ddptrain.dist.env import DistEnv
 
-# Within one global step, in the order a rank goes through them.
-ORDER = ("data fetch", "forward", "backward", "optimizer step", "step agreement")
+# Within one global step, in the order a rank goes through them; then what follows a step (the
+# epoch's evaluations, a checkpoint's stages), in their order. A phase's count (the evaluation's
+# batch) orders ranks within it.
+ORDER = (
+    *("data fetch", "forward", "backward", "optimizer step", "step agreement"),
+    *("evaluation", "EMA evaluation"),
+    *("checkpoint: gathering", "checkpoint: writing", "checkpoint: written"),
+)
 PUBLISH_EVERY = 0.5  # seconds
 JOIN_WITHIN = 5.0  # seconds: a store call on a lost host gives up later; exit then anyway
 _KEY = "ddptrain/phase/{rank}"
@@ -41,7 +48,7 @@ ABORT_GRACE = 10.0  # seconds a rank told of another's failure has to end on its
 class Phases:
     def __init__(self, env: DistEnv):
         self.env = env
-        self.current = ("setup", 0, time.time())  # (phase, global step, when)
+        self.current = ("setup", 0, time.time(), 0)  # (phase, global step, when, count)
         self._store = _default_store() if env.distributed else None
         self._stopped = threading.Event()
         self.ending = False  # this rank is on its way out: it reports its own end
@@ -53,11 +60,16 @@ class Phases:
             self._publisher.start()
 
     def enter(self, phase: str, global_step: int) -> None:
-        self.current = (phase, global_step, time.time())
+        self.current = (phase, global_step, time.time(), 0)
 
     def within_step(self, phase: str) -> None:
         """The next phase of the step entered last (the Step's forward, backward, ...)."""
-        self.current = (phase, self.current[1], time.time())
+        self.current = (phase, self.current[1], time.time(), 0)
+
+    def count(self, n: int) -> None:
+        """How far the phase has come (the evaluation's batch n)."""
+        phase, step, _, _ = self.current
+        self.current = (phase, step, time.time(), n)
 
     def close(self) -> None:
         """Stops the publisher and waits for it: a daemon thread still inside a store call when
@@ -111,7 +123,7 @@ class Phases:
                 return
 
     def _end_now(self, failed: int) -> None:
-        phase, step, _ = self.current
+        phase, step, _, _ = self.current
         sys.stderr.write(
             f"ddptrain: error: rank {failed} failed (its own line says why), and rank "
             f"{self.env.rank}, in {phase} of global step {step}, did not end with it within "
@@ -138,16 +150,17 @@ class Phases:
             return ""
         now = time.time()
         named = [
-            f"rank {rank} was last in {phase} of global step {step} ({now - when:.0f} s ago)"
-            for rank, (phase, step, when) in sorted(behind, key=lambda r: _position(r[1]))
+            f"rank {rank} was last in {phase}{f', batch {count},' if count else ''} of global "
+            f"step {step} ({now - when:.0f} s ago)"
+            for rank, (phase, step, when, count) in sorted(behind, key=lambda r: _position(r[1]))
         ]
         more = f"; and {len(named) - limit} more ranks" if len(named) > limit else ""
         return "; ".join(named[:limit]) + more
 
 
-def _position(record) -> tuple[int, int]:
-    phase, step, _ = record
-    return step, ORDER.index(phase) if phase in ORDER else len(ORDER)
+def _position(record) -> tuple[int, int, int]:
+    phase, step, _, count = record
+    return step, ORDER.index(phase) if phase in ORDER else len(ORDER), count
 
 
 def _read(store: dist.Store, rank: int):
@@ -155,10 +168,10 @@ def _read(store: dist.Store, rank: int):
     try:
         if not store.check([key]):  # get would wait for a key that never comes
             return None
-        phase, step, when = json.loads(store.get(key))
+        phase, step, when, count = json.loads(store.get(key))
     except Exception:
         return None
-    return phase, int(step), float(when)
+    return phase, int(step), float(when), int(count)
 
 
 def _default_store() -> dist.Store | None:

@@ -16,6 +16,7 @@ every step, as augmentation is per sample.
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,10 +162,14 @@ class Checkpointer:
         record: dict,
         keep_last: int,
         sharded_format: bool = False,
+        mark: Callable[[str], None] = lambda stage: None,
     ):
         self.env, self.out_dir, self.model = env, out_dir, model
         self.parts, self.meta, self.record, self.keep_last = parts, meta, record, keep_last
         self.sharded_format = sharded_format
+        # Each stage of a save as it begins (Phases.within_step): a rank stuck writing is named
+        # by the ranks waiting for it.
+        self.mark = mark
 
     def gather(self, state: TrainState) -> dict:
         """The checkpoint of the run at `state`, whole on rank 0 (empty parts elsewhere). A
@@ -187,10 +192,12 @@ class Checkpointer:
         checkpoint = self.gather(state)
 
         def write() -> None:
+            self.mark("checkpoint: writing")
             if self.env.is_main:
                 _check_finite(checkpoint, state)
                 files.save(self.out_dir, checkpoint, is_best, self.keep_last)
                 self._write_config()
+            self.mark("checkpoint: written")
 
         agree(self.env, write, doing="writing a checkpoint")
 
@@ -211,6 +218,7 @@ class Checkpointer:
                 sharded.prepare(self.out_dir, state.global_step, best_apart)
 
         agree(self.env, prepare, doing="writing a checkpoint")
+        self.mark("checkpoint: writing")
         sharded.write_shards(tensors, sharded.temp_folder(self.out_dir, state.global_step))
         if best_apart:
             ema = {**tensors, "model": rest["model_ema"]["model"]}
@@ -220,6 +228,7 @@ class Checkpointer:
             if self.env.is_main:
                 sharded.commit(self.out_dir, rest, is_best, self.keep_last, best_apart)
                 self._write_config()
+            self.mark("checkpoint: written")
 
         agree(self.env, commit, doing="writing a checkpoint")
 

@@ -156,14 +156,19 @@ class Step:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, loader, env: DistEnv, precision: Precision | None = None
+    model: nn.Module,
+    loader,
+    env: DistEnv,
+    precision: Precision | None = None,
+    count: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Cross-entropy loss, acc1 and acc5 over the whole val set: each rank its own shard, sums
     all-reduced, so every image counts once at any world size.
 
     Runs the wrapped model, as training does (under fsdp there is no other): every rank's shard
     is padded to the same number of batches (data/sampler.py EvalShard), and padded rows are
-    masked out of the sums. A collective: every rank must call it.
+    masked out of the sums. A collective: every rank must call it. `count(n)` hears of batch n
+    (Phases.count: a stall's error names the batch a rank stopped at).
     """
     precision = precision or Precision()
     # Under fsdp nothing else makes the ranks' BatchNorm statistics agree (DDP broadcasts them
@@ -171,7 +176,9 @@ def evaluate(
     broadcast_buffers(unwrap(model), env)
     model.eval()
     sums = Sums(env.device)
-    for images, target in loader:
+    for batch, (images, target) in enumerate(loader, 1):
+        if count is not None:
+            count(batch)
         images = precision.inputs(images, env.device)
         target = target.to(env.device, non_blocking=True)
         with precision.autocast():
@@ -219,6 +226,12 @@ class Run:
         if self.phases is not None:
             self.phases.enter(phase, global_step)
 
+    def evaluate(self, model: nn.Module, phase: str, global_step: int) -> dict[str, float]:
+        """evaluate() on the val set, recorded as `phase` of global_step. A collective."""
+        self.mark(phase, global_step)
+        count = None if self.phases is None else self.phases.count
+        return evaluate(model, self.data.val_loader, self.env, self.precision, count)
+
 
 def _reseed(seed: int, epoch: int, step: int, rank: int) -> None:
     """Model-side randomness (dropout, stochastic depth, mixup) from seed, epoch, step and rank
@@ -232,7 +245,7 @@ def _reseed(seed: int, epoch: int, step: int, rank: int) -> None:
 
 def save(run: Run, state: TrainState, is_best: bool = False) -> None:
     """A checkpoint of state. A collective: every rank calls it."""
-    run.mark("checkpoint", state.global_step)
+    run.mark("checkpoint: gathering", state.global_step)
     if run.checkpointer is not None:
         run.checkpointer.save(state, is_best)
     run.stop.unsaved = False
@@ -380,12 +393,12 @@ def _stop(run: Run, state: TrainState, sums: Sums, carried: torch.Tensor, signum
     )
 
 
-def _validate(run: Run) -> tuple[dict, dict | None]:
+def _validate(run: Run, global_step: int) -> tuple[dict, dict | None]:
     """The val record of the model and, with --model-ema, of its average. A collective."""
-    val = evaluate(run.model, run.data.val_loader, run.env, run.precision)
+    val = run.evaluate(run.model, "evaluation", global_step)
     if run.ema is None:
         return val, None
-    return val, evaluate(run.ema.module, run.data.val_loader, run.env, run.precision)
+    return val, run.evaluate(run.ema.module, "EMA evaluation", global_step)
 
 
 def fit(run: Run, state: TrainState) -> TrainState:
@@ -395,8 +408,7 @@ def fit(run: Run, state: TrainState) -> TrainState:
     for epoch in range(state.epoch, config.epochs):
         lr = run.optimizer.param_groups[0]["lr"]
         train = train_epoch(run, epoch, state)
-        run.mark("evaluation", state.global_step)
-        val, val_ema = _validate(run)
+        val, val_ema = _validate(run, state.global_step)
         state.epoch, state.epoch_step, state.train_sums = epoch + 1, 0, None
         # model_best.pt follows the better of the model and its average, and says which.
         candidates = {"model": val["acc1"], "model_ema": (val_ema or {}).get("acc1", -1.0)}
