@@ -3,7 +3,7 @@ the model state a rank holds, its peak memory while training, samples/s, and the
 `ddptrain plan` predicted.
 
 Each rank runs ddptrain's own pieces (distributed.init, precision, parallelize.wrap with the
-strategy, the optimizer, trainer.Step and train_epoch) on uint8 batches preloaded in memory, fp32,
+strategy, the optimizer, step.Step and train_epoch) on uint8 batches preloaded in memory, fp32,
 4 images per rank. Memory is MemTracker's (torch.distributed._tools) count of the tensors a rank
 holds, over its first training steps: step 2 is DDP's bucket rebuild (old and new buckets at
 once), step 3 and later are alike. Model state: parameters, gradients and optimizer state as the
@@ -33,7 +33,7 @@ from ddptrain.model.precision import resolve_precision
 from ddptrain.tools.plan import PlanRequest, plan
 from ddptrain.tools.trace import model_options
 from ddptrain.train.optim import build_optimizer
-from ddptrain.train.trainer import Step
+from ddptrain.train.step import Step
 
 RANKS = 2
 PER_RANK_BATCH = 4

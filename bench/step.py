@@ -2,7 +2,7 @@
 
   classic: the classic example's step (bench.classic): fp32, contiguous, a 1000-way head,
            normalised float batches (its workers' output), loss.item() and top-1/top-5 each step;
-  ddptrain: trainer.Step with ddptrain's Precision (--amp none: fp32 + channels_last, or bf16)
+  ddptrain: step.Step with ddptrain's Precision (--amp none: fp32 + channels_last, or bf16)
            and its head, from the uint8 batches its loader yields, normalised by
            Precision.inputs, the batch's loss and accuracy summed on the device (trainer.Sums).
 
@@ -29,7 +29,7 @@ from ddptrain.model.build import build_model
 from ddptrain.model.precision import resolve_precision
 from ddptrain.report.metrics import Sums
 from ddptrain.train.optim import build_optimizer
-from ddptrain.train.trainer import Step
+from ddptrain.train.step import Step
 
 WARMUP_STEPS = 2
 

@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ddptrain.model.parallelize import no_gradient_sync, unwrap, wrap
-from ddptrain.train.trainer import Step
+from ddptrain.train.step import Step
 
 BATCH = 8  # global
 

@@ -11,6 +11,7 @@ from ddptrain.model.build import build_model
 from ddptrain.model.parallelize import unwrap, wrap
 from ddptrain.model.precision import Precision
 from ddptrain.train import trainer
+from ddptrain.train.step import Step
 
 
 def flat_params(model):
@@ -22,7 +23,7 @@ def one_step_with_rank_specific_data(env):
     model = wrap(build_model("resnet18", 3, 16, False), env, gpu_pinned=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     images, target = torch.randn(4, 3, 16, 16), torch.randint(0, 3, (4,))
-    trainer.Step(model, optimizer)(images, target)
+    Step(model, optimizer)(images, target)
     return flat_params(model)
 
 
@@ -46,7 +47,7 @@ def train_one_epoch(env, root):
     loaders.train_sampler.set_epoch(0)
     for images, target in loaders.train_loader:
         images = Precision().inputs(images, env.device)  # uint8 batches, normalised as in training
-        trainer.Step(model, optimizer)(images, target)
+        Step(model, optimizer)(images, target)
     return flat_params(model)
 
 

@@ -14,7 +14,7 @@ from ddptrain.model.parallelize import is_sharded, unwrap, wrap
 from ddptrain.model.precision import Precision
 from ddptrain.state.checkpointer import Checkpointer, TrainState, training_parts
 from ddptrain.state.files import load
-from ddptrain.train import trainer
+from ddptrain.train.step import Step
 
 META = {"arch": "resnet18", "num_classes": 3, "class_to_idx": {}, "config": {}}
 
@@ -55,7 +55,7 @@ def train_epoch(env, root, out_dir, strategy, resume=None, sharded_format=False,
     )
     state = TrainState() if resume is None else checkpointer.restore(load(resume))
     loaders.train_sampler.set_epoch(state.epoch)
-    step = trainer.Step(model, optimizer)
+    step = Step(model, optimizer)
     for images, target in loaders.train_loader:
         step(Precision().inputs(images, env.device), target)
         state.global_step += 1

@@ -23,7 +23,7 @@ from ddptrain.config import Config
 from ddptrain.model.build import build_model
 from ddptrain.model.precision import resolve_precision
 from ddptrain.train.optim import build_optimizer
-from ddptrain.train.trainer import Step
+from ddptrain.train.step import Step
 
 
 def named(snapshot: dict) -> dict[str, int]:

@@ -3,7 +3,7 @@ import torch
 
 from ddptrain.errors import UserError
 from ddptrain.model.build import build_model
-from ddptrain.train.trainer import Step
+from ddptrain.train.step import Step
 
 
 def test_head_follows_the_class_count():

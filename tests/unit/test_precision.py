@@ -12,7 +12,7 @@ from ddptrain.model.precision import (
     cpu_bf16_units,
     resolve_precision,
 )
-from ddptrain.train.trainer import Step
+from ddptrain.train.step import Step
 
 CPU = torch.device("cpu")
 

@@ -7,7 +7,7 @@ prints one JSON object (bytes per rank, per strategy). It runs in a process of i
 `ddptrain.tools.plan`: the fake process group it initialises and its fake tensors must never meet
 a real run's process group or tensors.
 
-How each strategy is traced, as the trainer runs it (`train.trainer.Step`: forward, backward,
+How each strategy is traced, as the trainer runs it (`train.step.Step`: forward, backward,
 optimizer step, zero_grad; SGD with momentum from `train.optim`):
 - ddp: the plain model under `MemTracker`. With two or more ranks the trainer wraps it in DDP with
   gradient_as_bucket_view=True: DDP allocates buckets as large as all gradients when it is built,
@@ -46,7 +46,7 @@ from ddptrain.errors import first_line
 from ddptrain.model.fsdp import shard
 from ddptrain.model.precision import DTYPES, Precision
 from ddptrain.train.optim import build_optimizer
-from ddptrain.train.trainer import Step
+from ddptrain.train.step import Step
 
 STRATEGIES = ("ddp", "fsdp")
 # What a step of a model cannot do on fake tensors: read values (`.item()`, data-dependent shapes).
