@@ -32,6 +32,7 @@ from ddptrain.model.precision import DTYPES, resolve_precision
 from ddptrain.report.profile import StepProfiler
 from ddptrain.report.records import require_tensorboard
 from ddptrain.report.reporter import Reporter, warn
+from ddptrain.report.summary import start_summary
 from ddptrain.state.checkpointer import (
     Checkpointer,
     TrainState,
@@ -41,15 +42,12 @@ from ddptrain.state.checkpointer import (
 )
 from ddptrain.state.data_facts import check_same_data
 from ddptrain.state.files import (
-    LATEST,
     checkpoint_bytes,
-    load,
-    numbered,
-    remove_stale_temp_files,
     resolve,
     room_warning,
 )
 from ddptrain.state.lock import lock_out_dir, unlock_out_dir
+from ddptrain.state.resume import check_out_dir, check_position, check_trainable, load_resumed
 from ddptrain.train import trainer
 from ddptrain.train.ema import build_ema
 from ddptrain.train.loss import build_criterion
@@ -138,7 +136,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         if no_room:
             reporter.warn(no_room)
     ema = build_ema(unwrap(model), config, steps_per_epoch)
-    summary = _summary(config, env, loaders, precision, parameters, steps_per_epoch, resume)
+    summary = start_summary(config, env, loaders, precision, parameters, steps_per_epoch, resume)
     meta, record = _records(config, env, loaders, precision, seed, summary)
     parts = training_parts(
         unwrap(model), optimizer, scheduler, env, precision.scaler, sharded=is_sharded(model)
@@ -199,33 +197,6 @@ def _profiler(config: Config, env: DistEnv, out_dir: Path) -> StepProfiler | Non
     return StepProfiler(config.profile, out_dir, env.device)
 
 
-def _summary(config, env, loaders, precision, parameters, steps_per_epoch, resume) -> dict:
-    """The start-up block rank 0 shows, also kept in config.json."""
-    import torchvision
-
-    from ddptrain import __version__
-
-    nodes = env.world_size // env.local_world_size
-    strategy = config.strategy if env.distributed else "one process (nothing to shard)"
-    train = loaders.train_sampler.num_samples if loaders.train_sampler else 0
-    return {
-        "ddptrain": f"{__version__}, torch {torch.__version__}, torchvision "
-        f"{torchvision.__version__}",
-        "device": f"{env.device.type}, backend {_backend_name(env)}",
-        "world": f"{env.world_size} rank(s) = {nodes} node(s) x {env.local_world_size}",
-        "batch": f"{config.batch_size} global, {config.batch_size // env.world_size} per rank"
-        + (f" in {config.accum_steps} micro-batches" if config.accum_steps > 1 else ""),
-        "steps/epoch": steps_per_epoch,
-        "model": f"{config.arch}, {parameters / 1e6:.2f} M parameters",
-        "precision": f"amp {precision.amp_choice()}, channels_last {precision.channels_last}, "
-        f"compile {precision.compile}",
-        "strategy": strategy,
-        "data": f"{loaders.num_classes} classes, {train} train / {loaders.num_val} val images",
-        "out dir": str(config.out_dir),
-        "start": f"resumed from {resume}" if resume else f"fresh, epoch {config.start_epoch}",
-    }
-
-
 def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
     """The planner's line for this run on its device: whether it fits, and if not, what would
     (a traced step on fake tensors, seconds). Only on CUDA, where the device's memory is known."""
@@ -245,23 +216,6 @@ def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
         )
     except Exception as err:  # planning is advice: a model it cannot trace still trains
         return f"plan: not available ({first_line(err)})"
-
-
-def _check_trainable(saved: dict, path: Path) -> None:
-    """A model_best.pt whose model is the EMA (files.best_copy) evaluates, but cannot go on
-    training: the raw weights it averaged are in the numbered checkpoint of its step."""
-    if saved.get("weights") == "model_ema":
-        numbered = f"checkpoint-{saved['global_step']:09d}{'.dcp' if path.is_dir() else '.pt'}"
-        raise UserError(
-            f"--resume: {path} holds the EMA of the weights as its model (the average scored "
-            f"best): evaluate it with --evaluate, or resume training from {numbered}"
-        )
-
-
-def _backend_name(env: DistEnv) -> str:
-    import torch.distributed as dist
-
-    return dist.get_backend() if env.distributed else "none (one process)"
 
 
 def _restore(checkpointer, saved, scheduler, config: Config, steps_per_epoch: int) -> TrainState:
@@ -326,11 +280,11 @@ def _prepare(
 ):
     """Everything that may fail on some ranks only. No collectives in here."""
     if env.is_main:
-        _check_out_dir(out_dir, resume, config.evaluate, config.resume == "auto")
-    saved = None if resume is None else _load(resume)
+        check_out_dir(out_dir, resume, config.evaluate, config.resume == "auto")
+    saved = None if resume is None else load_resumed(resume)
     if saved is not None:
         seed = int(saved.get("data_seed", seed))
-        _check_position(saved, config)
+        check_position(saved, config)
         # The checkpoint's settings under what the flags and --config gave.
         config = resumed(config, saved.get("config"))
         config.check_batch_divides(env.world_size)
@@ -343,7 +297,7 @@ def _prepare(
         check_fits(saved, resume, model)
         if not config.evaluate:  # evaluating on other data is fine
             check_same_data(saved, loaders.facts, resume)
-            _check_trainable(saved, resume)
+            check_trainable(saved, resume)
     precision = resolve_precision(config, None, model, env.device)
     done = TrainState.from_checkpoint(saved or {"epoch": config.start_epoch})
     reporter = Reporter(env, out_dir, config.progress, config.tensorboard, done.global_step)
@@ -362,53 +316,6 @@ def _prepare(
     if not config.evaluate:
         reporter.keep_until(done.epoch)
     return config, loaders, model, precision, saved, seed, reporter
-
-
-def _load(path: Path) -> dict:
-    # Mapped, not read: the ranks of a host share one copy in the page cache, and a rank reads
-    # only the tensors it uses (under fsdp rank 0's weights are broadcast, the others' unread).
-    try:
-        return load(path, mmap=True)
-    except UserError as err:
-        raise UserError(f"--resume: {err}") from None
-
-
-def _check_position(saved: dict, config: Config) -> None:
-    """A checkpoint taken mid-epoch continues the epoch's sample order at step x global batch:
-    that position only exists for the same global batch."""
-    saved_batch = saved.get("config", {}).get("batch_size")
-    if saved.get("epoch_step") and saved_batch != config.batch_size:
-        raise UserError(
-            f"--batch-size {config.batch_size}: the checkpoint stopped mid-epoch with global "
-            f"batch {saved_batch}; resume with -b {saved_batch} (any number of ranks)"
-        )
-
-
-def _check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool, auto: bool) -> None:
-    """A writable out-dir, holding no checkpoint but the one this run continues."""
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"--out-dir {out_dir}: {err.strerror}") from None
-    if not os.access(out_dir, os.W_OK):
-        raise UserError(f"--out-dir {out_dir} is not writable")
-    if evaluate:
-        return
-    remove_stale_temp_files(out_dir)
-    earlier = [out_dir / LATEST, *numbered(out_dir)]
-    earlier = [p for p in earlier if p.exists()]
-    continues = resume is not None and any(p.samefile(resume) for p in earlier)
-    if earlier and not continues and auto:
-        raise UserError(
-            f"--resume auto: no usable checkpoint in --out-dir {out_dir} (see the warnings), "
-            f"yet it holds {earlier[0].name}: move the unusable files away, or choose another "
-            "--out-dir"
-        )
-    if earlier and not continues:
-        raise UserError(
-            f"--out-dir {out_dir} already holds {earlier[0].name} of an earlier run: continue "
-            "it with --resume auto, or choose another --out-dir"
-        )
 
 
 def _data_root(config: Config, env: DistEnv) -> Path | None:
