@@ -43,6 +43,7 @@ END_WITHIN = 3.0  # seconds a failed rank waits for the others to print their li
 # Per launch attempt: a job torchrun restarts must not read the failure it restarts from.
 _ABORT = f"ddptrain/abort/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 ABORT_GRACE = 10.0  # seconds a rank told of another's failure has to end on its own
+ABORT_POLL = 4  # the flag is read every 4th publish (2 s): a store call per rank, kept rare
 
 
 class Phases:
@@ -106,8 +107,9 @@ class Phases:
     def _watch(self) -> None:
         """Publishes this rank's phase when it changed, and ends it once another rank failed
         and it did not end on its own within ABORT_GRACE."""
-        published, failed, seen = None, None, 0.0
+        published, failed, seen, tick = None, None, 0.0, 0
         while not self._stopped.wait(PUBLISH_EVERY):
+            tick += 1
             if failed is not None:  # the store may be gone by now: it is not needed any more
                 if time.monotonic() - seen > ABORT_GRACE and not self.ending:
                     self._end_now(failed)
@@ -117,7 +119,7 @@ class Phases:
                 if current != published:
                     self._store.set(_KEY.format(rank=self.env.rank), json.dumps(current))
                     published = current
-                if self._store.check([_ABORT]):
+                if tick % ABORT_POLL == 0 and self._store.check([_ABORT]):
                     failed, seen = int(self._store.get(_ABORT)), time.monotonic()
             except Exception:  # the store's host is gone: nothing left to tell or hear
                 return
