@@ -6,9 +6,10 @@ STAMP := $(VENV)/.installed
 # The CUDA builds of these releases; pip takes them from the local wheel store where it has one.
 TORCH := torch==2.14.1 torchvision==0.29.1
 NPROC ?= 2
-# recipe:small-images (src/ddptrain/recipes/small-images.toml); its EMA decay of 0.998 suits
-# longer runs than the demo's 468 steps.
-DEMO_FLAGS ?= --config recipe:small-images --model-ema-decay 0.99 --epochs 12 -b 128 --seed 0 \
+# recipe:small-images (src/ddptrain/recipes/small-images.toml) without its EMA: over the demo's
+# 468 steps the average scored below the model (96.70 against 97.70% with decay 0.99) and its
+# evaluation each epoch cost 21 s of 208.
+DEMO_FLAGS ?= --config recipe:small-images --no-model-ema --epochs 12 -b 128 --seed 0 \
 	-j 1 -p 20 --out-dir runs/demo
 
 .PHONY: demo test lint format clean
