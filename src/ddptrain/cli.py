@@ -201,15 +201,17 @@ def _run(argv: list[str] | None) -> None:
     command, options = parse(argv)
     if command == "synth":
         from ddptrain.data.synth import write
+        from ddptrain.report.progress import say
 
         spec, out = options
-        write(spec, out, progress=True)
+        write(spec, out, say)
         print(f"wrote {spec.describe()} to {out}")
         return
     if command == "check":
         from ddptrain.data.check import check_command
+        from ddptrain.report.progress import counting, say
 
-        check_command(**options)
+        check_command(**options, say=say, counting=counting)
         return
     if command == "plot":
         from ddptrain.report.plot import plot

@@ -30,6 +30,7 @@ from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.parallelize import Communication, checkpoint_parts, is_sharded, unwrap, wrap
 from ddptrain.model.precision import DTYPES, resolve_precision
 from ddptrain.report.profile import StepProfiler
+from ddptrain.report.progress import counting, say
 from ddptrain.report.records import require_tensorboard
 from ddptrain.report.reporter import Reporter, warn
 from ddptrain.report.summary import start_summary
@@ -58,7 +59,7 @@ from ddptrain.train.schedule import fast_forward
 
 def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
     """Runs the configured job on this process. Importable: any launcher can call it."""
-    env = init_distributed(config, slot)
+    env = init_distributed(config, slot, say)
     phases = Phases(env)
     try:
         return _train(config, env, phases)
@@ -92,7 +93,8 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
     if config.seed is not None:
         _seed_everything(config.seed, env)
 
-    leave_out = images_to_leave_out(config, env)  # --verify-images, --bad-images skip
+    # --verify-images, --bad-images skip
+    leave_out = images_to_leave_out(config, env, say, counting)
     config, loaders, model, precision, saved, seed, reporter = agree(
         env, lambda: _prepare(config, env, out_dir, seed, resume, leave_out)
     )
@@ -322,7 +324,7 @@ def _data_root(config: Config, env: DistEnv) -> Path | None:
     if config.dummy:
         return None
     if config.data is None:
-        return ensure_builtin(log=env.is_main)
+        return ensure_builtin(log=say if env.is_main else None)
     root = Path(config.data)
     if not root.is_dir():
         raise UserError(

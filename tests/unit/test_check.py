@@ -1,5 +1,6 @@
 """Bad images: each reason named, the same list with any number of workers, left out exactly."""
 
+import contextlib
 import io
 import shutil
 
@@ -12,6 +13,7 @@ from ddptrain.data import check, folder
 from ddptrain.data.loaders import build_data
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
+from ddptrain.report.progress import counting, say
 
 ONE = DistEnv(0, 1, 0, 1, torch.device("cpu"))
 
@@ -67,12 +69,25 @@ def test_the_bad_list_is_the_same_with_any_number_of_workers(bad_data):
         ("val/circle/00001.png", "image file is truncated"),
     ]
     for workers in (0, 2):
-        assert check.find_bad(bad_data, files, workers, 10**8, progress=False) == expected
+        assert check.find_bad(bad_data, files, workers, 10**8) == expected
+    assert check.find_bad(bad_data, files, 0, 10**8, counting) == expected  # no bar off a tty
+
+
+def test_the_check_counts_every_file_on_the_callers_bar(bad_data):
+    bars, advanced = [], []
+
+    @contextlib.contextmanager
+    def recording(total, what, unit):
+        bars.append((total, what, unit))
+        yield advanced.append
+
+    check.find_bad(bad_data, check.list_images(bad_data), 0, 10**8, recording)
+    assert bars == [(39, "checking images", "img")] and sum(advanced) == 39
 
 
 def test_check_lists_every_bad_file_then_fails_in_one_line(bad_data, capsys):
     with pytest.raises(UserError) as raised:
-        check.check_command(str(bad_data), workers=0, max_image_pixels=10**8)
+        check.check_command(str(bad_data), workers=0, max_image_pixels=10**8, say=say)
     listed = capsys.readouterr().out.splitlines()
     assert listed == [
         f"{bad_data}/train/bar/00003.png: not an image in a format torchvision or PIL reads",
@@ -85,8 +100,21 @@ def test_check_lists_every_bad_file_then_fails_in_one_line(bad_data, capsys):
 
 
 def test_check_of_good_data_says_so(tiny_data, capsys):
-    check.check_command(str(tiny_data), workers=None, max_image_pixels=10**8)
+    check.check_command(str(tiny_data), workers=None, max_image_pixels=10**8, say=say)
     assert capsys.readouterr().out == f"all 39 images in {tiny_data} decode (24 train, 15 val)\n"
+
+
+def test_the_check_says_its_lines_through_the_caller_and_prints_nothing_itself(bad_data, capsys):
+    said = []
+    with pytest.raises(UserError, match="2 of 39 images"):
+        check.check_command(str(bad_data), workers=0, max_image_pixels=10**8, say=said.append)
+    assert said == [
+        f"{bad_data}/train/bar/00003.png: not an image in a format torchvision or PIL reads",
+        f"{bad_data}/val/circle/00001.png: image file is truncated",
+    ]
+    with pytest.raises(UserError, match="2 of 39 images"):
+        check.check_command(str(bad_data), workers=0, max_image_pixels=10**8)  # no terminal
+    assert capsys.readouterr() == ("", "")
 
 
 def test_leaving_out_keeps_the_order_of_the_rest(bad_data):
@@ -104,10 +132,11 @@ def test_leaving_out_keeps_the_order_of_the_rest(bad_data):
 def test_verify_before_training_stops_on_a_bad_image_and_skip_leaves_it_out(bad_data, capsys):
     config = Config(data=str(bad_data), workers=0, verify_images=True)
     with pytest.raises(UserError, match=r"--verify-images: 2 of 39 images in .* are bad"):
-        check.images_to_leave_out(config, ONE)
+        check.images_to_leave_out(config, ONE, say, counting)
     assert "bad image " in capsys.readouterr().err
     skip = Config(data=str(bad_data), workers=0, bad_images="skip")
-    assert check.images_to_leave_out(skip, ONE) == {"train/bar/00003.png", "val/circle/00001.png"}
+    left_out = check.images_to_leave_out(skip, ONE, say, counting)
+    assert left_out == {"train/bar/00003.png", "val/circle/00001.png"}
     output = capsys.readouterr()
     assert "checked 39 images: 2 bad images left out (1 of 24 train, 1 of 15 val)" in output.out
     assert output.err.count("warning: --bad-images skip: leaving out ") == 2
@@ -119,3 +148,12 @@ def test_bad_images_flag_values():
         Config(bad_images="ignore")
     with pytest.raises(UserError, match="--max-image-pixels must be at least 1"):
         Config(max_image_pixels=0)
+
+
+def test_verify_says_the_bad_files_on_stderr_and_the_verdict_on_stdout(bad_data, capsys):
+    said = []
+    skip = Config(data=str(bad_data), workers=0, bad_images="skip")
+    left_out = check.images_to_leave_out(skip, ONE, lambda line, stderr=False: said.append(stderr))
+    assert len(left_out) == 2 and said == [True, True, False]
+    assert check.images_to_leave_out(skip, ONE) == left_out  # no terminal: the same, silently
+    assert capsys.readouterr() == ("", "")

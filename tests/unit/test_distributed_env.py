@@ -147,3 +147,23 @@ def test_the_meeting_counts_the_ranks_on_this_host():
         store.add(f"{env._HOSTS}/{host}", 1)
         store.add(env._ARRIVED, 1)
     assert env._meet(store, 0, 3, datetime.timedelta(seconds=10)) == 2
+
+
+def test_restarts_across_nodes_are_warned_of_on_rank_0_only(monkeypatch, capsys):
+    torchrun = dict(
+        TORCHELASTIC_USE_AGENT_STORE="True", GROUP_WORLD_SIZE="2", TORCHELASTIC_MAX_RESTARTS="3"
+    )
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    timeout = datetime.timedelta(seconds=1)
+    said = []
+    assert env._restart_safe_store("env://", timeout, 0, said.append) is None
+    assert said == [
+        "warning: torchrun --max-restarts across nodes can hang on restart unless torchrun "
+        "runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see the README)"
+    ]
+    assert env._restart_safe_store("env://", timeout, 1, said.append) is None
+    assert env._restart_safe_store("env://", timeout, 0, None) is None  # nowhere to say it
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert env._restart_safe_store("env://", timeout, 0, said.append) is None
+    assert len(said) == 1 and capsys.readouterr() == ("", "")

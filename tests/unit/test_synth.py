@@ -76,3 +76,21 @@ def test_unwritable_cache_is_a_user_error(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
     with pytest.raises(UserError, match="XDG_CACHE_HOME"):
         synth.ensure_builtin(SMALL, log=False)
+
+
+def test_write_says_each_class_through_the_caller_and_prints_nothing_itself(tmp_path, capsys):
+    said = []
+    spec = SynthSpec(classes=2, train_per_class=1, val_per_class=1, size=16)
+    synth.write(spec, tmp_path / "a", say=said.append)
+    assert said == ["synth: class 1/2 (arrow) written", "synth: class 2/2 (bar) written"]
+    synth.write(spec, tmp_path / "b")
+    assert capsys.readouterr() == ("", "")
+
+
+def test_ensure_builtin_says_on_stderr_that_it_generates_only_when_it_does(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    said = []
+    root = synth.ensure_builtin(SMALL, log=lambda line, stderr=False: said.append((line, stderr)))
+    assert said == [(f"generating the built-in dataset ({SMALL.describe()}) into {root}", True)]
+    synth.ensure_builtin(SMALL, log=lambda line, stderr=False: said.append((line, stderr)))
+    assert len(said) == 1  # found in the cache: nothing to say

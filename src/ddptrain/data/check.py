@@ -16,15 +16,17 @@ good val images) and bitwise resume hold as for a data set that never had them. 
 checks again and must find the same files: the checkpoint's data facts (count and digest of
 the good files) refuse it otherwise. Paths are relative to DATA, so nodes that mount it at
 different places agree.
+
+Nothing here prints: the caller hands in its terminal, `say(line, stderr=False)` and
+`counting(total, what, unit)` (report.progress's), and by default nothing is shown.
 """
 
+import contextlib
 import hashlib
 import os
-import sys
 from pathlib import Path
 
 from torch.utils.data import DataLoader, Dataset
-from tqdm import tqdm
 
 from ddptrain.config import Config
 from ddptrain.data.folder import image_folder, image_problem, relative_paths
@@ -34,6 +36,15 @@ from ddptrain.errors import UserError, first_line
 
 SPLITS = ("train", "val")
 CHUNK = 16  # images a worker decodes per message: keeps the pipe's overhead below a decode
+
+
+def _quiet(line: str, stderr: bool = False) -> None:
+    """The default `say`: other ranks, and callers with no terminal, show nothing."""
+
+
+def _uncounted(total: int, what: str, unit: str):
+    """The default `counting`: no bar."""
+    return contextlib.nullcontext(lambda n: None)
 
 
 def list_images(root: Path, splits=SPLITS) -> list[str]:
@@ -61,25 +72,26 @@ class _Problems(Dataset):
 
 
 def find_bad(
-    root: Path, files: list[str], workers: int, max_pixels: int, progress: bool
+    root: Path, files: list[str], workers: int, max_pixels: int, counting=_uncounted
 ) -> list[tuple[str, str]]:
-    """(file, reason) for each of files (relative to root) that cannot be used, in order.
-    `progress`: a bar on stderr, when it is a terminal."""
+    """(file, reason) for each of files (relative to root) that cannot be used, in order,
+    counted on the caller's `counting` bar as they are checked."""
     loader = DataLoader(
         _Problems(root, files, max_pixels), batch_size=CHUNK, num_workers=workers, collate_fn=list
     )
     bad = []
-    with tqdm(
-        total=len(files), desc="checking images", unit="img", disable=None if progress else True
-    ) as bar:
+    with counting(len(files), "checking images", "img") as advance:
         for start, problems in zip(range(0, len(files), CHUNK), loader, strict=True):
             bad += [(files[start + i], p) for i, p in enumerate(problems) if p is not None]
-            bar.update(len(problems))
+            advance(len(problems))
     return bad
 
 
-def check_command(data: str, workers: int | None, max_image_pixels: int) -> None:
-    """`ddptrain check DATA`: lists every bad image; a UserError (exit 2) when there is one."""
+def check_command(
+    data: str, workers: int | None, max_image_pixels: int, say=_quiet, counting=_uncounted
+) -> None:
+    """`ddptrain check DATA`: says every bad image on stdout, then raises a UserError (exit 2)
+    when there is one; else says that all decode."""
     root = Path(data)
     if workers is not None and workers < 0:
         raise UserError(f"-j/--workers must be at least 0, got {workers}")
@@ -92,24 +104,29 @@ def check_command(data: str, workers: int | None, max_image_pixels: int) -> None
         raise UserError(f"DATA: {root} holds neither train/ nor val/")
     files = list_images(root, splits)
     workers = len(os.sched_getaffinity(0)) if workers is None else workers
-    bad = find_bad(root, files, workers, max_image_pixels, progress=True)
+    bad = find_bad(root, files, workers, max_image_pixels, counting)
     for path, reason in bad:
-        print(f"{root / path}: {reason}", flush=True)
+        say(f"{root / path}: {reason}")
     if bad:
         raise UserError(
             f"{len(bad)} of {len(files)} images in {root} are bad ({_per_split(bad, files)}), "
             "listed above: fix or remove them, or train with --bad-images skip"
         )
-    print(f"all {len(files)} images in {root} decode ({_per_split(None, files)})")
+    say(f"all {len(files)} images in {root} decode ({_per_split(None, files)})")
 
 
-def images_to_leave_out(config: Config, env: DistEnv) -> frozenset[str]:
+def images_to_leave_out(
+    config: Config, env: DistEnv, say=_quiet, counting=_uncounted
+) -> frozenset[str]:
     """For --verify-images and --bad-images skip: the bad files of DATA (relative to it) that
     skip leaves out, the same on every rank; with error, a bad file stops every rank. Nothing
-    to do for the built-in data set and --dummy. A collective: every rank calls it."""
+    to do for the built-in data set and --dummy. A collective: every rank calls it. Rank 0
+    shows the bad files (stderr), its bar and the verdict (stdout) through say and counting."""
     wanted = config.verify_images or config.bad_images == "skip"
     if not wanted or config.data is None or config.dummy:
         return frozenset()
+    if not env.is_main:  # other ranks stay quiet
+        say, counting = _quiet, _uncounted
     root = Path(config.data)
     files = agree(env, lambda: list_images(root, ("val",) if config.evaluate else SPLITS))
     listed = hashlib.sha256("\n".join(files).encode()).hexdigest()
@@ -117,23 +134,21 @@ def images_to_leave_out(config: Config, env: DistEnv) -> frozenset[str]:
     share = files[env.rank :: env.world_size]
     found = agree(
         env,
-        lambda: find_bad(root, share, config.workers, config.max_image_pixels, env.is_main),
+        lambda: find_bad(root, share, config.workers, config.max_image_pixels, counting),
     )
     bad = sorted(item for part in gather_from_all(env, found) for item in part)
     skip = config.bad_images == "skip"
-    if env.is_main:
-        for path, reason in bad:
-            what = "warning: --bad-images skip: leaving out" if skip else "bad image"
-            print(f"{what} {root / path}: {reason}", file=sys.stderr, flush=True)
+    for path, reason in bad:
+        what = "warning: --bad-images skip: leaving out" if skip else "bad image"
+        say(f"{what} {root / path}: {reason}", stderr=True)
     if bad and not skip:
         raise UserError(
             f"--verify-images: {len(bad)} of {len(files)} images in {root} are bad "
             f"({_per_split(bad, files)}), listed above: fix or remove them, or pass "
             "--bad-images skip to train without them"
         )
-    if env.is_main:
-        verdict = f"{len(bad)} bad images left out" if bad else "no bad image"
-        print(f"checked {len(files)} images: {verdict} ({_per_split(bad, files)})", flush=True)
+    verdict = f"{len(bad)} bad images left out" if bad else "no bad image"
+    say(f"checked {len(files)} images: {verdict} ({_per_split(bad, files)})")
     return frozenset(path for path, _ in bad)
 
 

@@ -11,8 +11,8 @@ import math
 import os
 import random
 import shutil
-import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,14 +179,17 @@ def render(mask: Image.Image, size: int, rng: random.Random) -> Image.Image:
     return image
 
 
-def write(spec: SynthSpec, out: str | os.PathLike, progress: bool = False) -> Path:
+def write(
+    spec: SynthSpec, out: str | os.PathLike, say: Callable[[str], None] | None = None
+) -> Path:
     """Writes the dataset to out (which must not hold files yet), atomically: temp dir, rename.
-    A failed write (a full disk) leaves nothing behind and raises WriteFailed naming out."""
+    A failed write (a full disk) leaves nothing behind and raises WriteFailed naming out.
+    say(line), when given, is told of each class written (the synth command's progress)."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"synth: {out} already exists and is not an empty directory")
     try:
-        _write_tree(spec, out, progress)
+        _write_tree(spec, out, say)
     except WriteFailed:
         raise
     except OSError as err:
@@ -194,7 +197,7 @@ def write(spec: SynthSpec, out: str | os.PathLike, progress: bool = False) -> Pa
     return out
 
 
-def _write_tree(spec: SynthSpec, out: Path, progress: bool) -> None:
+def _write_tree(spec: SynthSpec, out: Path, say: Callable[[str], None] | None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -208,8 +211,8 @@ def _write_tree(spec: SynthSpec, out: Path, progress: bool) -> None:
                     rng = random.Random(f"{VERSION}/{spec.seed}/{split}/{shape}/{i}")
                     render(mask, spec.size, rng).save(folder / f"{i:05d}.png")
                     faults.disk_full(folder / f"{i:05d}.png")
-            if progress:
-                print(f"synth: class {k + 1}/{spec.classes} ({shape}) written", flush=True)
+            if say:
+                say(f"synth: class {k + 1}/{spec.classes} ({shape}) written")
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
@@ -222,8 +225,9 @@ def cache_dir() -> Path:
     return Path(base) / "ddptrain"
 
 
-def ensure_builtin(spec: SynthSpec = SynthSpec(), log: bool = True) -> Path:
-    """The built-in dataset in the user cache, generated on first use.
+def ensure_builtin(spec: SynthSpec = SynthSpec(), log: Callable[..., None] | None = None) -> Path:
+    """The built-in dataset in the user cache, generated on first use. log(line, stderr=True),
+    when given (rank 0's progress.say), says that generation starts: it takes a while.
 
     Several ranks may start at once: the first to take the lock writes (into a temp dir renamed
     into place), the others block on the lock and then find it there. The lock dies with its
@@ -239,10 +243,9 @@ def ensure_builtin(spec: SynthSpec = SynthSpec(), log: bool = True) -> Path:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not root.is_dir():
                 if log:
-                    print(
+                    log(
                         f"generating the built-in dataset ({spec.describe()}) into {root}",
-                        file=sys.stderr,
-                        flush=True,
+                        stderr=True,
                     )
                 write(spec, root)
     except OSError as err:  # WriteFailed included: it already names root and the free space

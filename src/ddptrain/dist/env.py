@@ -11,6 +11,7 @@ import os
 import socket
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -137,7 +138,9 @@ def _device(config: Config, local_rank: int) -> torch.device:
     return torch.device(kind, index)
 
 
-def _restart_safe_store(url: str, timeout: datetime.timedelta, rank: int) -> dist.Store | None:
+def _restart_safe_store(
+    url: str, timeout: datetime.timedelta, rank: int, say: Callable[[str], None] | None
+) -> dist.Store | None:
     """Under torchrun, a store the workers of one restart attempt share with no other attempt.
 
     torchrun shares its rendezvous store with the workers and keeps it across restarts
@@ -145,17 +148,16 @@ def _restart_safe_store(url: str, timeout: datetime.timedelta, rank: int) -> dis
     addresses and fail to connect, or hang. On one node every worker has the same restart count:
     prefixing keys with it separates the attempts. Across nodes the counts can differ; there
     the README says to run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store
-    per attempt), and this returns None.
+    per attempt): this returns None there and, with restarts on, says so on rank 0.
     """
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if url != "env://" or not shared:
         return None
     if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
-        if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0" and rank == 0:
-            print(
+        if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0" and rank == 0 and say:
+            say(
                 "warning: torchrun --max-restarts across nodes can hang on restart unless "
-                "torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see the README)",
-                flush=True,
+                "torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see the README)"
             )
         return None
     store = dist.TCPStore(
@@ -228,7 +230,12 @@ def _backend(config: Config, device: torch.device) -> str:
     return backend
 
 
-def init_distributed(config: Config, slot: SpawnSlot | None = None) -> DistEnv:
+def init_distributed(
+    config: Config, slot: SpawnSlot | None = None, say: Callable[[str], None] | None = None
+) -> DistEnv:
+    """This process's place in the run, its process group formed. `say(line)`: how rank 0
+    shows a warning found on the way, before the group forms (a restart can hang there) and
+    before any Reporter exists; run.train passes progress.say. None: nothing is shown."""
     rank, world, local_rank, local_world, url = _placement(config, slot)
     timeout = datetime.timedelta(seconds=config.dist_timeout)
     # Under --dist-url tcp:// no launcher ends the other invocations when one fails: the ranks
@@ -255,7 +262,7 @@ def init_distributed(config: Config, slot: SpawnSlot | None = None) -> DistEnv:
     share_cpu_threads(local_world, config.workers)
     cpu_group = None
     if world > 1:
-        store = meeting or _restart_safe_store(url, timeout, rank)
+        store = meeting or _restart_safe_store(url, timeout, rank, say)
         rendezvous = {"init_method": url} if store is None else {"store": store}
         dist.init_process_group(backend, world_size=world, rank=rank, timeout=timeout, **rendezvous)
         if backend != "gloo":

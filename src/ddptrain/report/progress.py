@@ -3,10 +3,16 @@
 `--progress auto` picks the bar when stdout is a terminal and the lines when it is not (CI,
 SLURM logs, `| tee`), so logs stay greppable. Both show what the trainer measured at its print
 steps; between them the bar only counts steps, which needs no value from the device.
+
+`say` and `counting` are the terminal of whoever has no Reporter: the commands, and a run's
+start (process-group init, data checks). The modules below take them as callbacks and never
+print themselves.
 """
 
+import contextlib
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 from tqdm import tqdm
 
@@ -105,6 +111,20 @@ class Bar(Lines):
 class Silent(Lines):
     def show(self, step: int, values: dict) -> None:
         pass
+
+
+def say(line: str, stderr: bool = False) -> None:
+    """One line, flushed at once (progress must show while work goes on), from a caller that
+    knows it is rank 0 or the only process."""
+    print(line, file=sys.stderr if stderr else sys.stdout, flush=True)
+
+
+@contextlib.contextmanager
+def counting(total: int, what: str, unit: str) -> Iterator[Callable[[int], None]]:
+    """A bar on stderr for long work outside an epoch (checking images), drawn only while stderr
+    is a terminal, so logs get no bar; yields advance(n)."""
+    with tqdm(total=total, desc=what, unit=unit, disable=None) as bar:
+        yield bar.update
 
 
 def make_progress(mode: str, stream=None):

@@ -3,16 +3,16 @@
 Rank 0 shows (a progress bar or lines, the start-up summary, epoch summaries, warnings) and
 records (metrics.jsonl, summary.csv, TensorBoard with --tensorboard); other ranks stay quiet.
 The modules below return values or raise; the trainer and run.py hand what there is to say to
-the Reporter.
+the Reporter. Before it exists, and in the commands, they take progress.say and counting from
+their caller instead: they never print.
 """
 
-import sys
 from pathlib import Path
 
 from ddptrain.dist.collectives import agree
 from ddptrain.dist.env import DistEnv
 from ddptrain.report.metrics import MetricsLog
-from ddptrain.report.progress import make_progress
+from ddptrain.report.progress import make_progress, say
 from ddptrain.report.records import SummaryCsv, TensorBoardSink
 
 
@@ -92,4 +92,4 @@ def warn(env: DistEnv, line: str) -> None:
     """One warning line on stderr from rank 0: the Reporter's, and the start of a run's, before
     its Reporter exists (a run that fails there still shows why it skipped what it skipped)."""
     if env.is_main:
-        print(f"warning: {line}", file=sys.stderr, flush=True)
+        say(f"warning: {line}", stderr=True)
