@@ -9,27 +9,7 @@ from harness import run_ranks
 
 from ddptrain.dist.phases import PUBLISH_EVERY, Phases
 
-WHERE = {0: ("backward", 7), 1: ("data fetch", 7), 2: ("forward", 8)}
-
-
-def where_the_others_are(env):
-    phases = Phases(env)
-    phases.enter(*WHERE[env.rank])
-    time.sleep(4 * PUBLISH_EVERY)  # published by the thread
-    dist.barrier()
-    stalled = phases.stalled()
-    dist.barrier()
-    phases.close()
-    return stalled
-
-
-def test_the_ranks_behind_are_named_with_their_phase():
-    stalled = run_ranks(where_the_others_are, 3)
-    assert stalled[0].startswith("rank 1 was last in data fetch of global step 7 (")
-    assert "rank 2" not in stalled[0]  # ahead of rank 0
-    assert stalled[1] == ""  # nobody is behind rank 1
-    assert stalled[2].startswith("rank 1 was last in data fetch of global step 7 (")
-    assert "; rank 0 was last in backward of global step 7 (" in stalled[2]
+WHERE = {0: ("backward", 7, 0), 1: ("data fetch", 7, 0), 2: ("forward", 8, 0)}
 
 
 def stalled_in(env, where):
@@ -43,6 +23,15 @@ def stalled_in(env, where):
     dist.barrier()
     phases.close()
     return stalled
+
+
+def test_the_ranks_behind_are_named_with_their_phase():
+    stalled = run_ranks(stalled_in, 3, WHERE)
+    assert stalled[0].startswith("rank 1 was last in data fetch of global step 7 (")
+    assert "rank 2" not in stalled[0]  # ahead of rank 0
+    assert stalled[1] == ""  # nobody is behind rank 1
+    assert stalled[2].startswith("rank 1 was last in data fetch of global step 7 (")
+    assert "; rank 0 was last in backward of global step 7 (" in stalled[2]
 
 
 def test_a_rank_behind_in_evaluation_is_named_with_its_batch():
