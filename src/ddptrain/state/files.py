@@ -125,6 +125,15 @@ def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None
         remove(old)
 
 
+# What a best copy whose model is the EMA's weights holds besides: it evaluates, but training
+# cannot continue from it (state/resume.check_trainable).
+EMA_MARK = {"weights": "model_ema"}
+
+
+def holds_ema_weights(checkpoint: dict) -> bool:
+    return checkpoint.get("weights") == EMA_MARK["weights"]
+
+
 def best_copy(checkpoint: dict) -> dict:
     """What model_best.pt holds: the checkpoint, with the EMA's weights as its `model` when the
     average evaluated better (best_model "model_ema"), so that export, --evaluate, --pretrained
@@ -132,7 +141,7 @@ def best_copy(checkpoint: dict) -> dict:
     such a copy: its model is not the one training continues from."""
     if checkpoint.get("best_model") != "model_ema":
         return checkpoint
-    return {**checkpoint, "model": checkpoint["model_ema"]["model"], "weights": "model_ema"}
+    return {**checkpoint, "model": checkpoint["model_ema"]["model"], **EMA_MARK}
 
 
 def remove(path: Path) -> None:

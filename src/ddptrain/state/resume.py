@@ -6,7 +6,13 @@ from pathlib import Path
 
 from ddptrain.config import Config
 from ddptrain.errors import UserError
-from ddptrain.state.files import LATEST, load, numbered, remove_stale_temp_files
+from ddptrain.state.files import (
+    LATEST,
+    holds_ema_weights,
+    load,
+    numbered,
+    remove_stale_temp_files,
+)
 
 
 def check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool, auto: bool) -> None:
@@ -59,7 +65,7 @@ def check_position(saved: dict, config: Config) -> None:
 def check_trainable(saved: dict, path: Path) -> None:
     """A model_best.pt whose model is the EMA (files.best_copy) evaluates, but cannot go on
     training: the raw weights it averaged are in the numbered checkpoint of its step."""
-    if saved.get("weights") == "model_ema":
+    if holds_ema_weights(saved):
         raw = f"checkpoint-{saved['global_step']:09d}{'.dcp' if path.is_dir() else '.pt'}"
         raise UserError(
             f"--resume: {path} holds the EMA of the weights as its model (the average scored "

@@ -217,7 +217,7 @@ def commit(
         files.fsync_dir(out_dir)
         _link(path, out_dir / LATEST)
         if is_best and best_apart:
-            ema_marked = {**rest, "weights": "model_ema"}  # as files.best_copy marks it
+            ema_marked = {**rest, **files.EMA_MARK}  # its model is in the folder's shards
             files.atomic_write(best_tmp / STATE, files.serialized(ema_marked))
             faults.disk_full(out_dir / BEST)
             _swap_in(best_tmp, out_dir / BEST)
