@@ -179,3 +179,42 @@ def test_a_full_disk_on_an_ema_best_leaves_the_earlier_best(saved, monkeypatch):
         saver.save(state, is_best=True)
     assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".")]
     assert files.load(out_dir / "model_best.dcp")["global_step"] == 20
+
+
+def test_a_shard_the_disk_cannot_take_is_one_line_and_leaves_the_earlier_checkpoints(
+    saved, monkeypatch
+):
+    """A real ENOSPC from the kernel inside DCP's own write (the shard file is /dev/full), which
+    DCP hands back as a CheckpointException, not an Exception."""
+    out_dir, model, optimizer = saved
+    prepare = sharded.prepare
+
+    def prepare_onto_a_full_disk(out_dir, global_step, best_apart=False):
+        prepare(out_dir, global_step, best_apart)
+        shard = sharded.temp_folder(out_dir, global_step) / "__0_0.distcp"
+        os.symlink("/dev/full", shard)
+
+    monkeypatch.setattr(sharded, "prepare", prepare_onto_a_full_disk)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 30)
+    saver = sharded_checkpointer(out_dir, model, optimizer, scheduler)
+    with pytest.raises(WriteFailed) as failed:
+        saver.save(TrainState(epoch=3, global_step=30))
+    message = str(failed.value)
+    assert ".checkpoint-000000030.dcp.tmp: No space left on device (it needs 85.3 MiB" in message
+    assert "free)" in message and "--resume auto" in message and "\n" not in message
+    assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".")]
+    assert files.resolve("auto", out_dir) == out_dir / "checkpoint-000000020.dcp"
+
+
+def test_a_shard_overwritten_with_other_bytes_is_named_as_damaged(saved):
+    out_dir, _, _ = saved
+    folder = out_dir / "checkpoint-000000020.dcp"
+    shard = folder / "__0_0.distcp"
+    shard.write_bytes(bytes(shard.stat().st_size))  # the same length, all zeros
+    with pytest.raises(UserError, match=r"000020.dcp is damaged: its shards cannot be read \("):
+        sharded.to_single(folder)
+    fresh = torchvision.models.get_model("resnet18", num_classes=3)
+    fresh_optimizer, fresh_scheduler = build_optimizer(fresh, Config(lr=0.1))
+    restorer = sharded_checkpointer(out_dir, fresh, fresh_optimizer, fresh_scheduler)
+    with pytest.raises(UserError, match="is damaged: its shards cannot be read"):
+        restorer.restore(files.load(folder))

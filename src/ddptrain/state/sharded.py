@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
@@ -129,8 +130,8 @@ class Stored:
     def load_into(self, state_dict: dict) -> None:
         """Fills state_dict (this rank's tensors, sharded or whole) in place. A collective
         where a process group exists."""
-        with warnings.catch_warnings():  # one process: "assuming the intent is to load in a..."
-            warnings.simplefilter("ignore", UserWarning)
+        with warnings.catch_warnings(), _damaged(self.folder):
+            warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a..."
             dcp.load(
                 {self.part: state_dict},
                 storage_reader=_SafeReader(self.folder),
@@ -190,13 +191,49 @@ def write_shards(tensors: dict, tmp: Path) -> None:
         with warnings.catch_warnings():  # one process: "assuming the intent is to save in a..."
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(tensors, storage_writer=FileSystemWriter(tmp))
-    except Exception as err:
+    except (Exception, CheckpointException) as err:
         # DCP's save ends together on every rank: no rank still writes into the folder.
         shutil.rmtree(tmp, ignore_errors=True)  # the space a failed save took, back now
-        raise UserError(
-            f"cannot write the sharded checkpoint {tmp}: {first_line(err)}; the checkpoints "
-            "written before it are intact: fix that, then continue with --resume auto"
+        cause = _first_failure(err)
+        reason = cause if isinstance(cause, OSError) else OSError(first_line(cause))
+        failed = write_failed(tmp, reason, needed=_bytes(tensors))
+        raise WriteFailed(
+            f"{failed}; the checkpoints written before it are intact: fix that, then continue "
+            "with --resume auto"
         ) from None
+
+
+def _first_failure(err: BaseException) -> BaseException:
+    """What failed inside DCP. It wraps every rank's exception in one CheckpointException, a
+    BaseException (which `except Exception` misses) whose message is every rank's traceback."""
+    if isinstance(err, CheckpointException) and err.failures:
+        return next(iter(err.failures.values()))[0]
+    return err
+
+
+@contextlib.contextmanager
+def _damaged(folder: Path):
+    """A shard DCP cannot read (its bytes overwritten, say) is one line naming the folder. DCP
+    gathers the failure to every rank, so every rank raises it."""
+    try:
+        yield
+    except CheckpointException as err:
+        cause = _first_failure(err)
+        # An OSError says what the system refused; the rest (torch.load's weights-only refusal of
+        # a shard's bytes runs to a paragraph advising weights_only=False) say it by their type.
+        detail = first_line(cause) if isinstance(cause, OSError) else type(cause).__name__
+        raise UserError(f"{folder} is damaged: its shards cannot be read ({detail})") from None
+
+
+def _bytes(value) -> int:
+    """The size of the tensors in a state dict (whole, for sharded ones): what its folder needs."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()  # a DTensor's numel is the whole tensor's
+    if isinstance(value, dict):
+        return sum(_bytes(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_bytes(item) for item in value)
+    return 0
 
 
 def commit(
@@ -280,8 +317,8 @@ def to_single(folder: Path) -> dict:
         else None  # a non-tensor item: the planner puts what it reads in its place
         for key, item in metadata.state_dict_metadata.items()
     }
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.simplefilter("ignore", UserWarning)
+    with warnings.catch_warnings(), _damaged(folder):
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a..."
         dcp.load(flat, storage_reader=_SafeReader(folder), planner=_SafePlanner(), no_dist=True)
     nested: dict = {}
     for key, value in flat.items():
