@@ -235,9 +235,9 @@ def _run(argv: list[str] | None) -> None:
         print(f"wrote {destination} ({saved['arch']}, global step {saved['global_step']})")
         return
     if command == "plan":
-        from ddptrain.tools.plan import run as plan
+        from ddptrain.tools.plan import answer
 
-        plan(options)
+        print(answer(options), flush=True)
         return
     from ddptrain import run
 

@@ -120,12 +120,16 @@ def report(err: BaseException) -> int | None:
         return reported
     code, line = _exit_line(err)
     if code is not None:
-        # One write of the whole line: every failed rank prints one into the same pipe, and
-        # print's separate write of the newline let two ranks' lines run together.
-        sys.stderr.write(f"{line}\n")
-        sys.stderr.flush()
+        write_line(line)
         err._ddptrain_exit_code = code
     return code
+
+
+def write_line(line: str) -> None:
+    """A rank's line on stderr in one write: every failed rank writes one into the same pipe, and
+    print's separate write of the newline let two ranks' lines run together."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
 
 
 def _exit_line(err: BaseException) -> tuple[int | None, str]:

@@ -89,9 +89,9 @@ def test_flags_parse_into_a_request():
     assert request.per_rank_batch == 64
 
 
-def test_json_is_one_object_keyed_by_strategy(traces, capsys):
-    planner.run(PlanRequest("resnet50", world_size=2, batch_size=8, device_memory=80, json=True))
-    out = capsys.readouterr().out.strip().splitlines()
+def test_json_is_one_object_keyed_by_strategy(traces):
+    request = PlanRequest("resnet50", world_size=2, batch_size=8, device_memory=80, json=True)
+    out = planner.answer(request).strip().splitlines()
     assert len(out) == 1
     result = json.loads(out[0])
     assert set(result) == {"ddp", "fsdp"}

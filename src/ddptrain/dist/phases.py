@@ -26,6 +26,7 @@ import time
 import torch.distributed as dist
 
 from ddptrain.dist.env import DistEnv
+from ddptrain.errors import write_line
 
 # Within one global step, in the order a rank goes through them; then what follows a step (the
 # epoch's evaluations, a checkpoint's stages), in their order. A phase's count (the evaluation's
@@ -126,12 +127,11 @@ class Phases:
 
     def _end_now(self, failed: int) -> None:
         phase, step, _, _ = self.current
-        sys.stderr.write(
+        write_line(
             f"ddptrain: error: rank {failed} failed (its own line says why), and rank "
             f"{self.env.rank}, in {phase} of global step {step}, did not end with it within "
-            f"{ABORT_GRACE:.0f} s: ended now\n"
+            f"{ABORT_GRACE:.0f} s: ended now"
         )
-        sys.stderr.flush()
         sys.stdout.flush()
         with contextlib.suppress(Exception):  # a failed rank in end_together need not wait
             self._store.add(_ENDED, 1)

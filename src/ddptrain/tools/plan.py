@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,12 +79,13 @@ def trace(
         arch=arch, num_classes=num_classes, world_size=world_size, image_size=image_size,
         per_rank_batch=per_rank_batch, amp=amp, strategies=list(strategies),
     )  # fmt: skip
-    command = [sys.executable, "-m", "ddptrain.tools.trace", json.dumps(request)]
-    done = subprocess.run(
-        command, env=_child_env(), capture_output=True, text=True, timeout=TRACE_TIMEOUT
-    )
-    lines = done.stdout.strip().splitlines()
-    result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+    with tempfile.TemporaryDirectory(prefix="ddptrain-plan-") as folder:
+        reply = Path(folder) / "reply.json"  # not stdout, where a library may print too
+        command = [sys.executable, "-m", "ddptrain.tools.trace", json.dumps(request), str(reply)]
+        done = subprocess.run(
+            command, env=_child_env(), capture_output=True, text=True, timeout=TRACE_TIMEOUT
+        )
+        result = json.loads(reply.read_text()) if reply.is_file() else {}
     if "error" in result:
         raise UserError(f"--arch {arch}: {result['error']}")
     if done.returncode != 0 or not result:
@@ -234,9 +236,10 @@ def verdict(request: PlanRequest, result: dict[str, dict]) -> str:
     )
 
 
-def run(request: PlanRequest) -> None:
+def answer(request: PlanRequest) -> str:
+    """What `ddptrain plan` prints: the table, or with --json the figures as one object."""
     result = plan(request)
-    print(json.dumps(result) if request.json else table(request, result), flush=True)
+    return json.dumps(result) if request.json else table(request, result)
 
 
 def plan_line(

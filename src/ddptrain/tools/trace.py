@@ -1,11 +1,11 @@
 """One training step traced on fake tensors: what a rank holds under ddp and under fsdp, measured
 without allocating it, so models that do not fit this machine can be planned.
 
-    python -m ddptrain.tools.trace '{"arch": ..., "strategies": ["ddp", "fsdp"], ...}'
+    python -m ddptrain.tools.trace '{"arch": ..., "strategies": ["ddp", "fsdp"], ...}' REPLY.json
 
-prints one JSON object (bytes per rank, per strategy). It runs in a process of its own, started by
-`ddptrain.tools.plan`: the fake process group it initialises and its fake tensors must never meet
-a real run's process group or tensors.
+writes one JSON object (bytes per rank, per strategy) to REPLY.json. It runs in a process of its
+own, started by `ddptrain.tools.plan`: the fake process group it initialises and its fake tensors
+must never meet a real run's process group or tensors.
 
 How each strategy is traced, as the trainer runs it (`train.step.Step`: forward, backward,
 optimizer step, zero_grad; SGD with momentum from `train.optim`):
@@ -26,6 +26,7 @@ still held during forward (zero_grad comes after it), as in every step after the
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -226,7 +227,7 @@ def _figures(strategy, before, after_forward, tracker, wraps_in_ddp) -> dict[str
 
 
 def main(argv: list[str]) -> int:
-    request = json.loads(argv[0])
+    request, reply = json.loads(argv[0]), Path(argv[1])
     dist.init_process_group("fake", rank=0, world_size=request["world_size"], store=FakeStore())
     try:
         result = {s: trace(request, s) for s in request["strategies"]}
@@ -236,7 +237,7 @@ def main(argv: list[str]) -> int:
         code = 0
     finally:
         dist.destroy_process_group()
-    print(json.dumps(result), flush=True)
+    reply.write_text(json.dumps(result))
     return code
 
 
