@@ -130,7 +130,14 @@ def merge(
     flags = {name: coerce(name, value, "command line") for name, value in flags.items()}
     user = _overlay(_overlay({}, file or {}, file_name), flags, "command line")
     below = from_record(saved or {}, "the checkpoint's config")
-    return Config(**_overlay(below, user, "command line"), given=frozenset(user))
+    try:
+        return Config(**_overlay(below, user, "command line"), given=frozenset(user))
+    except UserError as err:
+        # Config's checks name the flag; when the file gave its value, say so.
+        from_file = [n for n in file or {} if n not in flags]
+        if any(str(err).startswith(f"{flag_name(n)} ") for n in from_file):
+            raise UserError(f"{file_name}: {err}") from None
+        raise
 
 
 def resumed(config: Config, saved_config: dict | None) -> Config:

@@ -5,9 +5,11 @@ import pytest
 import torch
 from harness import run_ranks
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.tensor import DTensor
 
 from ddptrain.model.parallelize import no_gradient_sync, unwrap, wrap
+from ddptrain.train.ema import ModelEma
 from ddptrain.train.step import Step
 
 BATCH = 8  # global
@@ -26,17 +28,26 @@ def batch():
     return images, torch.randint(0, 3, (BATCH,), generator=generator)
 
 
-def steps(env, accum_steps, clip=None, count=3, strategy="ddp"):
-    """`count` optimizer steps over this rank's slice of the same global batch."""
+def steps(env, accum_steps, clip=None, count=3, strategy="ddp", ema_decay=None):
+    """`count` optimizer steps over this rank's slice of the same global batch: the weights
+    after them, or with ema_decay, their average (--model-ema) over the steps."""
     model = wrap(bn_free_model(), env, strategy=strategy)
+    ema = None if ema_decay is None else ModelEma(unwrap(model), ema_decay)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     step = Step(model, optimizer, accum_steps=accum_steps, clip_grad_norm=clip)
-    images, target = batch()
+    images, target = my_slice(env, *batch())
+    for global_step in range(1, count + 1):
+        step(images, target)
+        if ema is not None:
+            ema.update(unwrap(model), global_step)
+    kept = unwrap(model) if ema is None else ema.module
+    return torch.cat([whole(p).detach().flatten() for p in kept.parameters()])
+
+
+def my_slice(env, images, target):
     per_rank = BATCH // env.world_size
     mine = slice(env.rank * per_rank, (env.rank + 1) * per_rank)
-    for _ in range(count):
-        step(images[mine], target[mine])
-    return torch.cat([whole(p).detach().flatten() for p in unwrap(model).parameters()])
+    return images[mine], target[mine]
 
 
 def whole(parameter: torch.Tensor) -> torch.Tensor:
@@ -62,6 +73,36 @@ def test_accumulated_micro_batches_on_two_ranks_equal_the_full_batch(
 def test_accumulation_and_clipping_under_fsdp_equal_one_process():
     (single,) = run_ranks(steps, 1, 1, 0.05)
     first, second = run_ranks(steps, 2, 2, 0.05, 3, "fsdp")
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, single, rtol=0, atol=1e-5)
+
+
+def test_accumulation_all_reduces_in_the_last_micro_step_only():
+    once = run_ranks(_all_reduces_in_a_step, 2, 1)
+    assert once[0] > 0 and run_ranks(_all_reduces_in_a_step, 2, 4) == once
+
+
+def _all_reduces_in_a_step(env, accum_steps):
+    """How many buckets DDP all-reduced in one optimizer step of accum_steps micro-batches."""
+    model = wrap(bn_free_model(), env)
+    reduced = []
+
+    def counting(process_group, bucket):
+        reduced.append(bucket.index())
+        return default_hooks.allreduce_hook(process_group, bucket)
+
+    model.register_comm_hook(None, counting)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    Step(model, optimizer, accum_steps=accum_steps)(*my_slice(env, *batch()))
+    return len(reduced)
+
+
+def test_the_average_of_the_weights_on_two_ranks_equals_one_process():
+    """--model-ema-decay is per optimizer step of the global batch: the same average at any
+    world size."""
+    (single,) = run_ranks(steps, 1, 1, None, 3, "ddp", 0.5)
+    first, second = run_ranks(steps, 2, 1, None, 3, "ddp", 0.5)
+    assert not torch.allclose(single, run_ranks(steps, 1, 1)[0], atol=1e-4)  # averaged
     assert torch.equal(first, second)
     torch.testing.assert_close(first, single, rtol=0, atol=1e-5)
 

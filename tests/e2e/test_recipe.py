@@ -49,6 +49,9 @@ def test_the_full_recipe_resumed_mid_epoch_is_bitwise_equal(tiny_data, tmp_path,
     for name, tensor in a["model_ema"]["model"].items():
         assert tensor.equal(b["model_ema"]["model"][name]), name
     assert ema_records(out) == ema_records(uninterrupted) and len(ema_records(out)) == 2
+    # The last epoch's line says which of the two model_best.pt holds.
+    which = {"model": "model", "model_ema": "ema"}[b["best_model"]]
+    assert f"| best acc1 {b['best_acc1']:.2f} ({which})\n" in result.stdout
 
 
 def ema_records(out_dir) -> list[dict]:

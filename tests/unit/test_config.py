@@ -66,6 +66,9 @@ def test_batch_must_divide_the_world():
     Config(batch_size=8).check_batch_divides(4)
     with pytest.raises(UserError, match="--batch-size 6 .* 4 ranks"):
         Config(batch_size=6).check_batch_divides(4)
+    Config(batch_size=16, accum_steps=2).check_batch_divides(4)  # 4 a rank: 2 micro-batches of 2
+    with pytest.raises(UserError, match=r"--accum-steps 3 must divide .* \(4 on 4 rank\(s\)\)"):
+        Config(batch_size=16, accum_steps=3).check_batch_divides(4)
 
 
 def test_cli_maps_the_classic_flags():

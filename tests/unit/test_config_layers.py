@@ -121,11 +121,16 @@ def test_mistakes_in_a_file_name_the_key_and_the_file(tmp_path, text, message):
     assert str(caught.value).startswith(f"--config {file}: ")
 
 
-def test_values_a_file_gives_are_checked_like_flags(tmp_path):
-    with pytest.raises(UserError, match="--hflip"):
-        parse(["train", "--config", write(tmp_path, "hflip = 2.0\n")])
-    with pytest.raises(UserError, match="--opt must be one of"):
-        parse(["train", "--config", write(tmp_path, 'opt = "lamb"\n')])
+def test_values_a_file_gives_are_checked_like_flags_and_name_the_file(tmp_path):
+    file = write(tmp_path, "hflip = 2.0\n")
+    with pytest.raises(UserError, match=f"^--config {file}: --hflip must be between"):
+        parse(["train", "--config", file])
+    file = write(tmp_path, 'opt = "lamb"\n')
+    with pytest.raises(UserError, match=f"^--config {file}: --opt must be one of"):
+        parse(["train", "--config", file])
+    # The flag given on the command line is the one at fault, not the file's.
+    with pytest.raises(UserError, match="^--hflip must be between"):
+        parse(["train", "--config", write(tmp_path, "hflip = 0.5\n"), "--hflip", "3"])
 
 
 def test_missing_file_and_unknown_recipe(tmp_path):

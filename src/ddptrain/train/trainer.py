@@ -197,7 +197,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
             bad = (first_bad == 0) & ~torch.isfinite(loss.detach())
             first_bad = torch.where(bad, state.global_step, first_bad)
         state.epoch_step = step
-        if run.ema is not None:
+        if run.ema is not None and not step_once.skipped:  # a dropped step moves nothing
             run.ema.update(unwrap(model), state.global_step)
         run.stop.unsaved = True
         reporter.advance()
@@ -311,12 +311,15 @@ def fit(run: Run, state: TrainState) -> TrainState:
                 f"try more loader workers (-j, now {config.workers}), a smaller --image-size, "
                 "or smaller images on faster storage"
             )
-        ema_text = "" if val_ema is None else f" | ema acc1 {val_ema['acc1']:.2f}"
+        ema_text, best_of = "", ""
+        if val_ema is not None:  # and which of the two model_best.pt holds
+            ema_text = f" | ema acc1 {val_ema['acc1']:.2f}"
+            best_of = " (ema)" if state.best_model == "model_ema" else " (model)"
         reporter.info(
             f"epoch {state.epoch}/{config.epochs} done: train loss {train['loss']:.4f} "
             f"acc1 {train['acc1']:.2f} ({train['samples_per_sec']:.1f} samples/s) | val loss "
             f"{val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} "
-            f"({val['samples']} images){ema_text} | best acc1 {state.best_acc1:.2f}"
+            f"({val['samples']} images){ema_text} | best acc1 {state.best_acc1:.2f}{best_of}"
         )
     if val is None:
         reporter.info(f"nothing to train: {state.epoch} of {config.epochs} epochs already done")
