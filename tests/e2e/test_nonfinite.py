@@ -51,7 +51,7 @@ def test_skip_drops_a_step_whose_gradient_alone_is_not_finite(tiny_data, tmp_pat
 def test_skip_drops_the_bad_step_on_every_rank_and_goes_on(tiny_data, tmp_path):
     poisoned = {"DDPTRAIN_TEST_NAN": "1:2"}  # rank 1's batch at step 2 only
     args = ("train", *tiny_args(tiny_data, tmp_path), "--epochs", 2, "--nonfinite", "skip")
-    result = ok(torchrun(2, *args, "--model-ema", env=poisoned))
+    result = ok(torchrun(2, *args, "--model-ema", "--model-ema-steps", 1, env=poisoned))
     assert "ddptrain: error" not in result.stderr
     assert [r["skipped"] for r in train_records(tmp_path)] == [1, 0]
     assert train_records(tmp_path)[0]["samples"] == 16  # the skipped step's 8 left out
