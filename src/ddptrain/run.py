@@ -28,7 +28,7 @@ from ddptrain.dist.phases import Phases
 from ddptrain.errors import Stopped, UserError, first_line, peer_lost, report
 from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.parallelize import Communication, checkpoint_parts, is_sharded, unwrap, wrap
-from ddptrain.model.precision import DTYPES, resolve_precision
+from ddptrain.model.precision import DTYPES, Precision, resolve_precision
 from ddptrain.report.profile import StepProfiler
 from ddptrain.report.progress import counting, say
 from ddptrain.report.records import require_tensorboard
@@ -128,6 +128,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         offload=config.fsdp_offload,
         reshard_after_forward=config.reshard_after_forward,
         comm=Communication.of(config),
+        example=_example(config, precision, env.device),
     )
     steps_per_epoch = loaders.train_sampler.steps if loaders.train_sampler else 1
     optimizer, scheduler = build_optimizer(model, config, steps_per_epoch)
@@ -191,6 +192,12 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
                 if run.profiler.written:
                     reporter.info(f"--profile {config.profile}: trace in {run.profiler.path}")
             reporter.close()
+
+
+def _example(config: Config, precision: Precision, device: torch.device) -> torch.Tensor:
+    """Two images as training feeds them (two: BatchNorm cannot train on one at 1 x 1)."""
+    size = config.image_size
+    return precision.inputs(torch.zeros(2, 3, size, size, dtype=torch.uint8), device)
 
 
 def _profiler(config: Config, env: DistEnv, out_dir: Path) -> StepProfiler | None:

@@ -57,12 +57,15 @@ def wrap(
     offload: bool = False,
     reshard_after_forward: bool = True,
     comm: Communication | None = None,
+    example: torch.Tensor | None = None,
 ) -> nn.Module:
     """The model, placed on env.device already, wrapped for `strategy`. Build the optimizer on
     what this returns: under fsdp its parameters are the shards.
 
     ddp: DDP with two or more ranks, on CPU as well as GPU; DataParallel as the classic example
-    does for one process on several GPUs. A collective with two or more ranks.
+    does for one process on several GPUs. A collective with two or more ranks. `example`, a
+    batch of two inputs as training feeds them, lays DDP's buckets out before the first step
+    (`_lay_out_buckets`).
     """
     assert strategy in STRATEGIES, strategy
     if env.distributed and strategy == "fsdp":
@@ -71,7 +74,7 @@ def wrap(
         return fsdp.shard(model, arch, amp_dtype, offload, reshard_after_forward, env.device)
     if env.distributed:
         device_ids = None if env.device.type == "cpu" else [env.device.index]
-        return _ddp(model, device_ids, comm or Communication())
+        return _ddp(model, device_ids, comm or Communication(), example, amp_dtype)
     if env.device.type == "cuda" and not gpu_pinned and torch.cuda.device_count() > 1:
         warnings.warn(
             "one process on several GPUs: using DataParallel, which is slower than DDP; "
@@ -82,7 +85,13 @@ def wrap(
     return model
 
 
-def _ddp(model: nn.Module, device_ids, comm: Communication) -> DistributedDataParallel:
+def _ddp(
+    model: nn.Module,
+    device_ids,
+    comm: Communication,
+    example: torch.Tensor | None,
+    amp_dtype: torch.dtype | None,
+) -> DistributedDataParallel:
     ddp = DistributedDataParallel(
         model,
         device_ids=device_ids,
@@ -91,10 +100,38 @@ def _ddp(model: nn.Module, device_ids, comm: Communication) -> DistributedDataPa
         bucket_cap_mb=_bucket_cap_mb(comm),
         static_graph=comm.static_graph,
     )
+    if example is not None:
+        _lay_out_buckets(ddp, example, amp_dtype)  # before a hook sees any bucket
     state = comm_hooks.register(ddp, comm.hook, comm.powersgd_rank, comm.powersgd_start_step)
     if state is not None:
         ddp.powersgd_state = state  # for checkpoint_parts
     return ddp
+
+
+def _lay_out_buckets(
+    ddp: DistributedDataParallel, example: torch.Tensor, amp_dtype: torch.dtype | None
+) -> None:
+    """One backward of `example` before training, so that DDP's buckets hold the gradients in
+    the order backward makes them from the first training step on.
+
+    DDP starts with the parameters' order and re-lays its buckets after the first backward: a
+    run resumed at step N reduced step N in the first layout where the uninterrupted run used
+    the second. With three ranks or more the all-reduce adds each element's terms in an order
+    the layout decides (gloo's ring splits the buffer into chunks by offset), so the resumed
+    run drifted from the uninterrupted one (measured on 3 gloo ranks; 2 ranks add a + b, the
+    same either way). A collective. The weights, buffers (BatchNorm's statistics) and gradients
+    are left as they were."""
+    module = ddp.module
+    buffers = [buffer.clone() for buffer in module.buffers()]
+    device_type = example.device.type
+    with torch.autocast(device_type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        outputs = ddp(example)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)  # auxiliary heads
+    sum(output.float().sum() for output in outputs).backward()
+    module.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for buffer, kept in zip(module.buffers(), buffers, strict=True):
+            buffer.copy_(kept)
 
 
 def _bucket_cap_mb(comm: Communication) -> float | None:
