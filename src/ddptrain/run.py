@@ -25,6 +25,7 @@ from ddptrain.data.synth import ensure_builtin
 from ddptrain.dist.collectives import agree, check_same, from_rank0
 from ddptrain.dist.env import DistEnv, SpawnSlot, init_distributed, teardown_distributed
 from ddptrain.dist.phases import Phases
+from ddptrain.dist.threads import too_many_workers, usable_cores
 from ddptrain.errors import Stopped, UserError, first_line, peer_lost, report
 from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.parallelize import Communication, checkpoint_parts, is_sharded, unwrap, wrap
@@ -138,6 +139,10 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         )
         if no_room:
             reporter.warn(no_room)
+    if env.is_main:
+        crowded = too_many_workers(config.workers, env.local_world_size, usable_cores())
+        if crowded:
+            reporter.warn(crowded)
     ema = build_ema(unwrap(model), config, steps_per_epoch)
     summary = start_summary(config, env, loaders, precision, parameters, steps_per_epoch, resume)
     meta, record = _records(config, env, loaders, precision, seed, summary)

@@ -5,7 +5,12 @@ import os
 import pytest
 import torch
 
-from ddptrain.dist.threads import cpu_threads, share_cpu_threads, user_set_threads
+from ddptrain.dist.threads import (
+    cpu_threads,
+    share_cpu_threads,
+    too_many_workers,
+    user_set_threads,
+)
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
 
@@ -53,3 +58,10 @@ def test_share_sets_threads_unless_the_user_did(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     share_cpu_threads(local_world_size=2, workers=4)
     assert chosen == [3]
+
+
+def test_loader_workers_beyond_the_nodes_cores_are_said_once_for_the_node():
+    assert too_many_workers(1, 2, cores=2) is None
+    assert too_many_workers(4, 8, cores=64) is None
+    line = too_many_workers(4, 2, cores=2)
+    assert line.startswith("-j 4: 8 loader workers for the 2 rank(s) on this node, which has 2")

@@ -6,6 +6,7 @@ normalised on the device (`Precision.inputs`), which moves a quarter of the byte
 the per-pixel float work off the loader's cores.
 """
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,10 @@ from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
 
 DUMMY_TRAIN, DUMMY_VAL, DUMMY_CLASSES = 1_281_167, 50_000, 1000  # ImageNet's sizes
+
+# torch warns when one process's loader workers outnumber the cores, from every rank and again
+# as each loader starts; rank 0 says it once for the node instead (threads.too_many_workers).
+warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
 
 
 @dataclass

@@ -49,9 +49,26 @@ def _launcher_env() -> set[str] | None:
     return {entry.split(b"=", 1)[0].decode(errors="replace") for entry in raw.split(b"\0") if entry}
 
 
+def usable_cores() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1
+
+
 def share_cpu_threads(local_world_size: int, workers: int) -> None:
     """Ranks on one node share its usable cores, unless the user chose OMP_NUM_THREADS."""
     launcher_env = _launcher_env() if "TORCHELASTIC_RUN_ID" in os.environ else None
     if not user_set_threads(os.environ, launcher_env):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(cpu_threads(cores or 1, local_world_size, workers))
+        torch.set_num_threads(cpu_threads(usable_cores(), local_world_size, workers))
+
+
+def too_many_workers(workers: int, local_world_size: int, cores: int) -> str | None:
+    """Rank 0's warning when the loader workers of this node's ranks outnumber its cores: said
+    once for the node, where torch's own warning came from every rank as each loader started
+    (data/loaders.py silences that one)."""
+    total = workers * local_world_size
+    if total <= cores:
+        return None
+    return (
+        f"-j {workers}: {total} loader workers for the {local_world_size} rank(s) on this node, "
+        f"which has {cores} cores; if the progress shows time waiting for data, lower -j"
+    )
