@@ -5,8 +5,9 @@ the model state a rank holds, its peak memory while training, samples/s, and the
 Each rank runs ddptrain's own pieces (distributed.init, precision, parallelize.wrap with the
 strategy, the optimizer, step.Step and train_epoch) on uint8 batches preloaded in memory, fp32,
 4 images per rank. Memory is MemTracker's (torch.distributed._tools) count of the tensors a rank
-holds, over its first training steps: step 2 is DDP's bucket rebuild (old and new buckets at
-once), step 3 and later are alike. Model state: parameters, gradients and optimizer state as the
+holds, over its first training steps: step 1 starts with DDP's bucket rebuild (old and new
+buckets at once, after ddptrain's backward that lays them out) and ends creating the momentum,
+step 2 and later are alike. Model state: parameters, gradients and optimizer state as the
 rank holds them after a step (under fsdp, the local shards of its DTensors).
 
     python -m bench.fsdp [--quick]
@@ -38,7 +39,7 @@ from ddptrain.train.step import Step
 RANKS = 2
 PER_RANK_BATCH = 4
 CLASSES = 10
-TRACKED_STEPS = 3  # 1: first, 2: DDP rebuilds its buckets, 3: as every later step
+TRACKED_STEPS = 3  # 1: DDP rebuilds its buckets, the momentum is made; 2 and 3: every later step
 MODELS = (("resnet50", 32), ("vit_b_16", 32))  # (arch, image size); ViT: patches of 16 px
 QUICK_MODELS = (("resnet18", 32),)
 STATE_TARGET = 0.55  # fsdp / ddp model state per rank, at most
@@ -110,7 +111,10 @@ def rank_main(arch: str, image_size: int, strategy: str, steps: int) -> None:
             arch, num_classes=CLASSES, **model_options(arch, image_size)
         )
         precision = resolve_precision(config, None, model, env.device)
-        model = wrap(precision.place(model, env.device), env, strategy=strategy, arch=arch)
+        blank = torch.zeros(2, 3, image_size, image_size, dtype=torch.uint8)
+        example = precision.inputs(blank, env.device)  # as ddptrain lays out DDP's buckets
+        placed = precision.place(model, env.device)
+        model = wrap(placed, env, strategy=strategy, arch=arch, example=example)
         optimizer, scheduler = build_optimizer(model, config)
         step = Step(model, optimizer, precision)
         tracked = batches[:TRACKED_STEPS]

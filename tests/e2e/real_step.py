@@ -1,11 +1,12 @@
-"""Measures what one DDP rank really holds in training steps 2 and 3, on real CPU tensors.
+"""Measures what one DDP rank really holds in its first training steps, on real CPU tensors.
 
     python tests/e2e/real_step.py '{"arch": "resnet18", "per_rank_batch": 4, "image_size": 32,
                                     "num_classes": 10}'
 
 prints one JSON object of bytes. The rank is a real DDP (gloo, gradient_as_bucket_view=True, as
-ddptrain wraps with two or more ranks) in a group of one: a rank's memory under DDP does not depend
-on the number of ranks. The model, precision (channels_last), optimizer and step are ddptrain's own.
+ddptrain wraps with two or more ranks, its buckets laid out by ddptrain's backward of a blank
+batch) in a group of one: a rank's memory under DDP does not depend on the number of ranks. The
+model, precision (channels_last), optimizer and step are ddptrain's own.
 Measured with MemTracker in real mode (what the tensors hold, by category), as the planner
 measures its fake step. (bench/fsdp.py also counts the CPU allocator's own allocations with the
 profiler, which takes a minute here: too slow for a test.)
@@ -21,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.config import Config
 from ddptrain.model.build import build_model
+from ddptrain.model.parallelize import lay_out_buckets
 from ddptrain.model.precision import resolve_precision
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.step import Step
@@ -38,6 +40,8 @@ def measure(arch: str, per_rank_batch: int, image_size: int, num_classes: int) -
     model = build_model(arch, num_classes, image_size, pretrained=False)
     precision = resolve_precision(config, None, model, device)
     model = DistributedDataParallel(precision.place(model, device), gradient_as_bucket_view=True)
+    blank = torch.zeros(2, 3, image_size, image_size, dtype=torch.uint8)
+    lay_out_buckets(model, precision.inputs(blank, device), None)
     optimizer, _ = build_optimizer(model, config)
     shape = (per_rank_batch, 3, image_size, image_size)
     images = precision.inputs(torch.randint(0, 256, shape, dtype=torch.uint8), device)
@@ -47,7 +51,10 @@ def measure(arch: str, per_rank_batch: int, image_size: int, num_classes: int) -
     def step() -> None:
         Step(model, optimizer, precision, criterion)(images, target)
 
-    step()
+    first = MemTracker()  # step 1: DDP rebuilds its buckets as it starts
+    first.track_external(model, optimizer, images, target)
+    with first:
+        step()
     tracker = MemTracker()
     tracker.track_external(model, optimizer, images, target)
     after_forward = {}
@@ -58,17 +65,19 @@ def measure(arch: str, per_rank_batch: int, image_size: int, num_classes: int) -
     model.module.register_forward_hook(at_end_of_forward)
     with tracker:
         before = named(tracker.get_tracker_snapshot())
-        step()  # step 2: DDP rebuilds its buckets
+        step()
         tracker.reset_mod_stats()
         step()
     dist.destroy_process_group()
+    peaks = [named(t.get_tracker_snapshot("peak"))["Total"] for t in (first, tracker)]
     return {
         "params": before["Parameter"],
         "grads": before["Gradient"],
         "optimizer": before["Optstate"],
         "buffers": before["Buffer"],
         "activations": after_forward["snap"]["Activation"],
-        "peak": named(tracker.get_tracker_snapshot("peak"))["Total"],
+        "first_step_peak": peaks[0],
+        "peak": max(peaks),
     }
 
 

@@ -39,8 +39,10 @@ def test_plan_json_matches_a_measured_ddp_step():
     # what they save between releases, far below what would change a fit verdict.
     assert ddp["activations"] == pytest.approx(measured["activations"], rel=0.02)
     assert ddp["peak"] == pytest.approx(measured["peak"], rel=0.02)
-    # Here the peak is DDP's bucket rebuild in step 2 (activations of 4 images at 32 px are small).
-    assert ddp["peak"] == ddp["bucket_rebuild"] > ddp["step_peak"]
+    # The peak is a steady step's: DDP rebuilds its buckets as step 1 starts, before the optimizer
+    # holds its momentum (model.parallelize.lay_out_buckets), in the run as in the plan.
+    assert ddp["peak"] == ddp["step_peak"] > ddp["bucket_rebuild"]
+    assert measured["first_step_peak"] <= measured["peak"]
     # fsdp on 2 ranks: each holds half of the parameters, gradients and momentum (padded shards).
     fsdp = planned["fsdp"]
     for key in ("params", "grads", "optimizer"):

@@ -65,7 +65,7 @@ def wrap(
     ddp: DDP with two or more ranks, on CPU as well as GPU; DataParallel as the classic example
     does for one process on several GPUs. A collective with two or more ranks. `example`, a
     batch of two inputs as training feeds them, lays DDP's buckets out before the first step
-    (`_lay_out_buckets`).
+    (`lay_out_buckets`).
     """
     assert strategy in STRATEGIES, strategy
     if env.distributed and strategy == "fsdp":
@@ -101,14 +101,14 @@ def _ddp(
         static_graph=comm.static_graph,
     )
     if example is not None:
-        _lay_out_buckets(ddp, example, amp_dtype)  # before a hook sees any bucket
+        lay_out_buckets(ddp, example, amp_dtype)  # before a hook sees any bucket
     state = comm_hooks.register(ddp, comm.hook, comm.powersgd_rank, comm.powersgd_start_step)
     if state is not None:
         ddp.powersgd_state = state  # for checkpoint_parts
     return ddp
 
 
-def _lay_out_buckets(
+def lay_out_buckets(
     ddp: DistributedDataParallel, example: torch.Tensor, amp_dtype: torch.dtype | None
 ) -> None:
     """One backward of `example` before training, so that DDP's buckets hold the gradients in
