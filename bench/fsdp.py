@@ -5,9 +5,9 @@ the model state a rank holds, its peak memory while training, samples/s, and the
 Each rank runs ddptrain's own pieces (distributed.init, precision, parallelize.wrap with the
 strategy, the optimizer, step.Step and train_epoch) on uint8 batches preloaded in memory, fp32,
 4 images per rank. Memory is MemTracker's (torch.distributed._tools) count of the tensors a rank
-holds, over its first training steps: step 1 starts with DDP's bucket rebuild (old and new
-buckets at once, after ddptrain's backward that lays them out) and ends creating the momentum,
-step 2 and later are alike. Model state: parameters, gradients and optimizer state as the
+holds, over its first training steps: step 1 ends creating the momentum, step 2 and later are
+alike (DDP's bucket rebuild, old and new buckets at once, comes before, as ddptrain lays them
+out: the planner counts it). Model state: parameters, gradients and optimizer state as the
 rank holds them after a step (under fsdp, the local shards of its DTensors).
 
     python -m bench.fsdp [--quick]
@@ -39,7 +39,7 @@ from ddptrain.train.step import Step
 RANKS = 2
 PER_RANK_BATCH = 4
 CLASSES = 10
-TRACKED_STEPS = 3  # 1: DDP rebuilds its buckets, the momentum is made; 2 and 3: every later step
+TRACKED_STEPS = 3  # 1: the momentum is made; 2 and 3: as every later step
 MODELS = (("resnet50", 32), ("vit_b_16", 32))  # (arch, image size); ViT: patches of 16 px
 QUICK_MODELS = (("resnet18", 32),)
 STATE_TARGET = 0.55  # fsdp / ddp model state per rank, at most

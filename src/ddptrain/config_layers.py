@@ -15,6 +15,7 @@ and the file.
 import functools
 import importlib.resources
 import json
+import re
 import tomllib
 import types
 import typing
@@ -133,9 +134,10 @@ def merge(
     try:
         return Config(**_overlay(below, user, "command line"), given=frozenset(user))
     except UserError as err:
-        # Config's checks name the flag; when the file gave its value, say so.
-        from_file = [n for n in file or {} if n not in flags]
-        if any(str(err).startswith(f"{flag_name(n)} ") for n in from_file):
+        # Config's checks name the flags at fault: when the file gave them all, say so.
+        named = set(re.findall(r"--[a-z][a-z0-9-]*", str(err)))
+        from_file = {flag_name(n) for n in file or {}} - {flag_name(n) for n in flags}
+        if named and named <= from_file:
             raise UserError(f"{file_name}: {err}") from None
         raise
 

@@ -129,7 +129,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         offload=config.fsdp_offload,
         reshard_after_forward=config.reshard_after_forward,
         comm=Communication.of(config),
-        example=_example(config, precision, env.device),
+        example=None if config.evaluate else _example(config, precision, env.device),
     )
     steps_per_epoch = loaders.train_sampler.steps if loaders.train_sampler else 1
     optimizer, scheduler = build_optimizer(model, config, steps_per_epoch)

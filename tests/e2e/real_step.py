@@ -51,7 +51,7 @@ def measure(arch: str, per_rank_batch: int, image_size: int, num_classes: int) -
     def step() -> None:
         Step(model, optimizer, precision, criterion)(images, target)
 
-    first = MemTracker()  # step 1: DDP rebuilds its buckets as it starts
+    first = MemTracker()  # step 1: the optimizer makes its momentum
     first.track_external(model, optimizer, images, target)
     with first:
         step()

@@ -39,7 +39,7 @@ def test_plan_json_matches_a_measured_ddp_step():
     # what they save between releases, far below what would change a fit verdict.
     assert ddp["activations"] == pytest.approx(measured["activations"], rel=0.02)
     assert ddp["peak"] == pytest.approx(measured["peak"], rel=0.02)
-    # The peak is a steady step's: DDP rebuilds its buckets as step 1 starts, before the optimizer
+    # The peak is a steady step's: DDP rebuilds its buckets before training, before the optimizer
     # holds its momentum (model.parallelize.lay_out_buckets), in the run as in the plan.
     assert ddp["peak"] == ddp["step_peak"] > ddp["bucket_rebuild"]
     assert measured["first_step_peak"] <= measured["peak"]

@@ -128,9 +128,15 @@ def test_values_a_file_gives_are_checked_like_flags_and_name_the_file(tmp_path):
     file = write(tmp_path, 'opt = "lamb"\n')
     with pytest.raises(UserError, match=f"^--config {file}: --opt must be one of"):
         parse(["train", "--config", file])
+    file = write(tmp_path, 'arch = "resnet9000"\n')
+    with pytest.raises(UserError, match=f"^--config {file}: --arch: unknown"):
+        parse(["train", "--config", file])
     # The flag given on the command line is the one at fault, not the file's.
     with pytest.raises(UserError, match="^--hflip must be between"):
         parse(["train", "--config", write(tmp_path, "hflip = 0.5\n"), "--hflip", "3"])
+    file = write(tmp_path, 'opt = "sgd-nesterov"\n')
+    with pytest.raises(UserError, match="^--opt sgd-nesterov needs --momentum"):
+        parse(["train", "--config", file, "--momentum", "0"])  # the two share the fault
 
 
 def test_missing_file_and_unknown_recipe(tmp_path):

@@ -3,6 +3,7 @@ the files a user may hand over damaged or hostile."""
 
 import os
 import pickle
+import re
 import shutil
 
 import pytest
@@ -181,6 +182,7 @@ def test_a_full_disk_on_an_ema_best_leaves_the_earlier_best(saved, monkeypatch):
     assert files.load(out_dir / "model_best.dcp")["global_step"] == 20
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
 def test_a_shard_the_disk_cannot_take_is_one_line_and_leaves_the_earlier_checkpoints(
     saved, monkeypatch
 ):
@@ -200,7 +202,8 @@ def test_a_shard_the_disk_cannot_take_is_one_line_and_leaves_the_earlier_checkpo
     with pytest.raises(WriteFailed) as failed:
         saver.save(TrainState(epoch=3, global_step=30))
     message = str(failed.value)
-    assert ".checkpoint-000000030.dcp.tmp: No space left on device (it needs 85.3 MiB" in message
+    needed = r"\.checkpoint-000000030\.dcp\.tmp: No space left on device \(it needs [\d.]+ MiB, "
+    assert re.search(needed, message), message
     assert "free)" in message and "--resume auto" in message and "\n" not in message
     assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".")]
     assert files.resolve("auto", out_dir) == out_dir / "checkpoint-000000020.dcp"

@@ -9,16 +9,17 @@ PowerSGD on gloo runs with one bucket (parallelize.py): with several, the ranks 
 chained all-reduces in different orders. Its state (step count, generator, low-rank memories,
 each rank's error feedback) is checkpointed, and a resumed run is bitwise the uninterrupted one
 (measured on 2 gloo ranks, mid-epoch and at an epoch's end). The memories and the error feedback
-are flat tensors laid out in the order of the bucket's parameters, and that order changes: DDP
-builds a process's first bucket in the parameters' order and rebuilds it after the first step in
-the order their gradients became ready. A resumed process's first step therefore sees another
-layout than the saved state's; fed as it was, the state mixed up the parameters' errors and
-memories (a resnet18 went non-finite). So the state remembers the parameter order it was written
-in, is checkpointed with it, and is moved into the bucket's order whenever that changes. The
-arithmetic is per parameter, and a sum of two ranks does not depend on the layout. On 3 ranks a
-resumed resnet18 was not bitwise, plain DDP without a hook included. Where the state was saved in
-several buckets (NCCL, not measured here), the first step after a resume all-reduces plainly
-instead (PowerSGDCheckpoint.load_state_dict): close to the uninterrupted run, not bitwise.
+are flat tensors laid out in the order of the bucket's parameters, and that order can change:
+DDP builds a process's first bucket in the parameters' order and rebuilds it, after the first
+backward, in the order their gradients became ready. ddptrain has that rebuild done before
+training (parallelize.lay_out_buckets), so a run's hook meets one layout from its first step on;
+a DDP wrapped without it (as some tests do) meets the change at its second step, where a state
+fed as it was mixed up the parameters' errors and memories (a resnet18 went non-finite). So the
+state remembers the parameter order it was written in, is checkpointed with it, and is moved
+into the bucket's order whenever that changes. Where the state was saved in several buckets
+(NCCL, not measured here), the first step after a resume still all-reduces plainly, a precaution
+kept from before the buckets were laid out up front (PowerSGDCheckpoint.load_state_dict): close
+to the uninterrupted run, not bitwise.
 find_unused_parameters would keep the first layout, but its extra all-reduce interleaves with
 PowerSGD's on gloo and mismatches.
 """

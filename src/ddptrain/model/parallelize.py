@@ -111,16 +111,18 @@ def _ddp(
 def lay_out_buckets(
     ddp: DistributedDataParallel, example: torch.Tensor, amp_dtype: torch.dtype | None
 ) -> None:
-    """One backward of `example` before training, so that DDP's buckets hold the gradients in
-    the order backward makes them from the first training step on.
+    """DDP's buckets laid out in the order backward makes the gradients, before training: one
+    backward of `example`, then the re-layout DDP would otherwise do as the next forward starts.
 
-    DDP starts with the parameters' order and re-lays its buckets after the first backward: a
-    run resumed at step N reduced step N in the first layout where the uninterrupted run used
-    the second. With three ranks or more the all-reduce adds each element's terms in an order
-    the layout decides (gloo's ring splits the buffer into chunks by offset), so the resumed
-    run drifted from the uninterrupted one (measured on 3 gloo ranks; 2 ranks add a + b, the
-    same either way). A collective. The weights, buffers (BatchNorm's statistics) and gradients
-    are left as they were."""
+    DDP starts with the parameters in one bucket and re-lays its buckets as the forward after a
+    process's first backward starts: a run resumed at step N reduced step N in the first layout
+    where the uninterrupted run used the second. With three ranks or more the all-reduce adds
+    each element's terms in an order the layout decides (gloo's ring splits the buffer into
+    chunks by offset), so the resumed run drifted from the uninterrupted one (measured on 3 gloo
+    ranks; 2 ranks add a + b, the same either way). Done here, the re-layout (old and new
+    buckets held at once) also comes before the optimizer holds any state, a resumed one's
+    included. A collective. The weights, buffers (BatchNorm's statistics) and gradients are left
+    as they were."""
     module = ddp.module
     buffers = [buffer.clone() for buffer in module.buffers()]
     device_type = example.device.type
@@ -132,6 +134,10 @@ def lay_out_buckets(
     with torch.no_grad():
         for buffer, kept in zip(module.buffers(), buffers, strict=True):
             buffer.copy_(kept)
+    # What DDP's own forward does first (private API, torch 2.14; a collective: rank 0's layout
+    # is broadcast): its next forward then finds the buckets rebuilt.
+    if ddp.reducer._rebuild_buckets():
+        ddp._has_rebuilt_buckets = True
 
 
 def _bucket_cap_mb(comm: Communication) -> float | None:

@@ -17,6 +17,7 @@ plain data only (DCP's own metadata classes, torch sizes and dtypes), never code
 """
 
 import contextlib
+import errno
 import io
 import os
 import pickle
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
 from ddptrain import faults
-from ddptrain.errors import UserError, WriteFailed, first_line, write_failed
+from ddptrain.errors import UserError, WriteFailed, first_line, peer_lost, write_failed
 from ddptrain.state import files
 
 SUFFIX = ".dcp"
@@ -195,8 +196,13 @@ def write_shards(tensors: dict, tmp: Path) -> None:
         # DCP's save ends together on every rank: no rank still writes into the folder.
         shutil.rmtree(tmp, ignore_errors=True)  # the space a failed save took, back now
         cause = _first_failure(err)
-        reason = cause if isinstance(cause, OSError) else OSError(first_line(cause))
-        failed = write_failed(tmp, reason, needed=_bytes(tensors))
+        if isinstance(cause, KeyboardInterrupt) or peer_lost(cause):
+            raise cause from None  # Ctrl-C, or a rank gone: reported as such, not as a write
+        if isinstance(cause, OSError):
+            reason, disk = cause, cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        else:  # torch's zip writer reports a full disk as "unexpected pos N vs M"
+            reason, disk = OSError(first_line(cause)), True
+        failed = write_failed(tmp, reason, needed=_bytes(tensors) if disk else None)
         raise WriteFailed(
             f"{failed}; the checkpoints written before it are intact: fix that, then continue "
             "with --resume auto"
@@ -219,9 +225,14 @@ def _damaged(folder: Path):
         yield
     except CheckpointException as err:
         cause = _first_failure(err)
-        # An OSError says what the system refused; the rest (torch.load's weights-only refusal of
-        # a shard's bytes runs to a paragraph advising weights_only=False) say it by their type.
-        detail = first_line(cause) if isinstance(cause, OSError) else type(cause).__name__
+        if isinstance(cause, OSError | EOFError):
+            detail = first_line(cause)
+        elif isinstance(cause, pickle.UnpicklingError):
+            # torch.load's weights-only refusal of a shard's bytes: a paragraph advising
+            # weights_only=False, said here by its type alone
+            detail = type(cause).__name__
+        else:  # not the bytes: what DCP found missing or mismatched, in its words
+            raise UserError(f"cannot load {folder}: {first_line(cause)}") from None
         raise UserError(f"{folder} is damaged: its shards cannot be read ({detail})") from None
 
 

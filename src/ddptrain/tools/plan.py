@@ -202,7 +202,7 @@ def table(request: PlanRequest, result: dict[str, dict]) -> str:
         lines.append(f"  {label:<30}" + "".join(f"{m:>12}" for m in marks))
     lines += [
         "  ddp: its buckets hold the gradients themselves (gradient_as_bucket_view), so they add",
-        "    nothing, but as step 1 starts DDP rebuilds them and holds old and new at once.",
+        "    nothing, but before training DDP rebuilds them and holds old and new at once.",
         "  fsdp: communication buffers are the all-gather and reduce-scatter buffers at their",
         "    largest; all-gather peak, the gathered parameters held at once.",
         "  Not traced: CUDA context, library workspaces, NCCL buffers, allocator fragmentation",

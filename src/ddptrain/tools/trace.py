@@ -13,12 +13,11 @@ optimizer step, zero_grad; SGD with momentum from `train.optim`):
   gradient_as_bucket_view=True: DDP allocates buckets as large as all gradients when it is built,
   and after each backward a gradient is copied into its bucket and becomes a view of it, so the
   gradients live for the whole run. DDP's C++ reducer cannot run on fake tensors, so a hook does the
-  same here: one bucket per parameter, allocated up front, the gradient copied in. Once, as the
-  first training step starts (after the backward that lays the buckets out,
-  `model.parallelize.lay_out_buckets`), DDP rebuilds its buckets in the order gradients arrived,
-  holding old and new buckets at once, before the optimizer holds any state: `bucket_rebuild`,
-  counted in the peak. One rank: the trainer does not wrap, gradients are freed by zero_grad and
-  made again in backward.
+  same here: one bucket per parameter, allocated up front, the gradient copied in. Once, before
+  training (`model.parallelize.lay_out_buckets`, before the optimizer holds any state), DDP
+  rebuilds its buckets in the order gradients arrived, holding old and new buckets at once:
+  `bucket_rebuild`, counted in the peak. One rank: the trainer does not wrap, gradients are
+  freed by zero_grad and made again in backward.
 - fsdp: `ddptrain.model.fsdp.shard` over a fake process group of world_size ranks (this process is
   rank 0; FSDP2 pads every shard to the same size, so all ranks hold the same), under
   `FSDPMemTracker`, which also sees the all-gather and reduce-scatter buffers.
@@ -217,7 +216,7 @@ def _figures(strategy, before, after_forward, tracker, wraps_in_ddp) -> dict[str
         figures["all_gather_peak"] = max(
             s.get("All Gather", 0) + s.get("Unsharded Param", 0) for s in snapshots
         )
-    if wraps_in_ddp:  # what a steady step holds, less the optimizer's state, plus new buckets
+    if wraps_in_ddp:  # what a step starts with, less the optimizer's state, plus new buckets
         figures["bucket_rebuild"] = before.get("Total", 0) - figures["optimizer"] + grads
     figures["peak"] = max(step_peak, figures["bucket_rebuild"] or 0)
     figures["at_step_peak"] = {
