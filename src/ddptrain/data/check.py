@@ -23,7 +23,6 @@ Nothing here prints: the caller hands in its terminal, `say(line, stderr=False)`
 
 import contextlib
 import hashlib
-import os
 from pathlib import Path
 
 from torch.utils.data import DataLoader, Dataset
@@ -32,6 +31,7 @@ from ddptrain.config import Config
 from ddptrain.data.folder import image_folder, image_problem, relative_paths
 from ddptrain.dist.collectives import agree, check_same, gather_from_all
 from ddptrain.dist.env import DistEnv
+from ddptrain.dist.threads import usable_cores
 from ddptrain.errors import UserError, first_line
 
 SPLITS = ("train", "val")
@@ -103,7 +103,7 @@ def check_command(
     if not splits:
         raise UserError(f"DATA: {root} holds neither train/ nor val/")
     files = list_images(root, splits)
-    workers = len(os.sched_getaffinity(0)) if workers is None else workers
+    workers = usable_cores() if workers is None else workers
     bad = find_bad(root, files, workers, max_image_pixels, counting)
     for path, reason in bad:
         say(f"{root / path}: {reason}")

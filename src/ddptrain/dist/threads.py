@@ -50,6 +50,7 @@ def _launcher_env() -> set[str] | None:
 
 
 def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the system has one)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return cores or 1
 

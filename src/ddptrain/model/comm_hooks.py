@@ -162,11 +162,12 @@ class PowerSGDCheckpoint(Stateful):
         s.iter = int(saved["iter"])
         s.layouts = {int(k): v.tolist() for k, v in saved.get("layouts", {}).items()}
         if len(s.layouts) != 1:
-            # A process's first step has one bucket of all the parameters (torch 2.14, neither
-            # find_unused_parameters nor static_graph), which a state saved without its layouts
-            # or in several buckets (NCCL, gradients over 1 MB) cannot be moved into. That step
-            # all-reduces plainly, as PowerSGD itself does before start_powerSGD_iter, and the
-            # saved state goes on from the next, in the buckets it was saved in.
+            # A state saved without its layouts cannot be moved into any bucket order; one saved
+            # in several buckets (NCCL, gradients over 1 MB) cannot be moved into the single
+            # bucket a DDP starts with when it was wrapped without lay_out_buckets. Under
+            # ddptrain's wrap the buckets are met as saved, but several were never measured
+            # here: that step all-reduces plainly, as PowerSGD itself does before
+            # start_powerSGD_iter, and the saved state goes on from the next.
             s.start_powerSGD_iter = max(s.start_powerSGD_iter, s.iter + 1)
         rng = saved["rng"]
         keys = rng["keys"].numpy().astype(np.uint32)
