@@ -10,7 +10,10 @@ alike (DDP's bucket rebuild, old and new buckets at once, comes before, as ddptr
 out: the planner counts it). Model state: parameters, gradients and optimizer state as the
 rank holds them after a step (under fsdp, the local shards of its DTensors).
 
-    python -m bench.fsdp [--quick]
+    python -m bench.fsdp [--quick] [--per-rank-batch N]
+
+A larger per-rank batch gives each parameter moved more compute: the speed ratio at 4 images
+is fsdp's worst case (results for another batch go to fsdp-bN.json).
 """
 
 import argparse
@@ -94,18 +97,18 @@ def step_peaks(step: Step, batches, precision, env, model, optimizer) -> tuple[l
     return peaks, "MemTracker"
 
 
-def rank_main(arch: str, image_size: int, strategy: str, steps: int) -> None:
+def rank_main(arch: str, image_size: int, strategy: str, steps: int, per_rank_batch: int) -> None:
     """One rank, under torchrun: TRACKED_STEPS steps under the memory tracker, one more as
     warm-up, then `steps` timed steps; rank 0 prints every rank's figures."""
     config = Config(
-        dummy=True, arch=arch, batch_size=PER_RANK_BATCH * RANKS, workers=0,
-        image_size=image_size, amp="none", device="cpu", lr=0.1 * PER_RANK_BATCH * RANKS / 256,
+        dummy=True, arch=arch, batch_size=per_rank_batch * RANKS, workers=0,
+        image_size=image_size, amp="none", device="cpu", lr=0.1 * per_rank_batch * RANKS / 256,
         print_freq=10**9, epochs=2, strategy=strategy,
     )  # fmt: skip
     env = init_distributed(config)
     try:
         count = max(TRACKED_STEPS, steps)
-        batches = random_batches(count, PER_RANK_BATCH, image_size, CLASSES, seed=env.rank)
+        batches = random_batches(count, per_rank_batch, image_size, CLASSES, seed=env.rank)
         # build_model would build torchvision's ViTs for 224 px only; this is the planner's build.
         model = torchvision.models.get_model(
             arch, num_classes=CLASSES, **model_options(arch, image_size)
@@ -113,8 +116,8 @@ def rank_main(arch: str, image_size: int, strategy: str, steps: int) -> None:
         precision = resolve_precision(config, None, model, env.device)
         blank = torch.zeros(2, 3, image_size, image_size, dtype=torch.uint8)
         example = precision.inputs(blank, env.device)  # as ddptrain lays out DDP's buckets
-        placed = precision.place(model, env.device)
-        model = wrap(placed, env, strategy=strategy, arch=arch, example=example)
+        place = lambda built: precision.place(built, env.device)  # noqa: E731
+        model = wrap(model, env, strategy=strategy, arch=arch, example=example, place=place)
         optimizer, scheduler = build_optimizer(model, config)
         step = Step(model, optimizer, precision)
         tracked = batches[:TRACKED_STEPS]
@@ -137,11 +140,11 @@ def rank_main(arch: str, image_size: int, strategy: str, steps: int) -> None:
         teardown_distributed()
 
 
-def measure(arch: str, image_size: int, strategy: str, steps: int) -> dict:
+def measure(arch: str, image_size: int, strategy: str, steps: int, per_rank_batch: int) -> dict:
     cmd = common.python(
         "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
         "-m", "bench.fsdp", "--rank-main", "--arch", arch, "--image-size", str(image_size),
-        "--strategy", strategy, "--steps", str(steps),
+        "--strategy", strategy, "--steps", str(steps), "--per-rank-batch", str(per_rank_batch),
     )  # fmt: skip
     result = common.run_json(cmd, common.subprocess_env(OMP_NUM_THREADS="1"))
     assert result["threads"] == 1, result
@@ -205,6 +208,9 @@ def print_memory(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke check")
+    parser.add_argument(
+        "--per-rank-batch", type=int, default=PER_RANK_BATCH, help="images per rank and step"
+    )
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--arch", help=argparse.SUPPRESS)
     parser.add_argument("--image-size", type=int, help=argparse.SUPPRESS)
@@ -212,16 +218,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_main:
-        rank_main(args.arch, args.image_size, args.strategy, args.steps)
+        rank_main(args.arch, args.image_size, args.strategy, args.steps, args.per_rank_batch)
         return {}
-    s = common.scale(args.quick)
+    s, batch = common.scale(args.quick), args.per_rank_batch
     models, steps = (QUICK_MODELS, 2) if args.quick else (MODELS, 5)
     planned = {
         arch: plan(
             PlanRequest(
                 arch,
                 world_size=RANKS,
-                batch_size=PER_RANK_BATCH * RANKS,
+                batch_size=batch * RANKS,
                 image_size=size,
                 amp="none",
                 num_classes=CLASSES,
@@ -236,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
             details[name] = []
 
             def contender(arch=arch, size=size, strategy=strategy, runs=details[name]) -> float:
-                runs.append(measure(arch, size, strategy, steps))
+                runs.append(measure(arch, size, strategy, steps, batch))
                 return runs[-1]["samples_per_sec"]
 
             contenders[name] = contender
@@ -251,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings = {
         "models": [{"arch": a, "image_size": size} for a, size in models],
         "ranks": RANKS,
-        "per_rank_batch": PER_RANK_BATCH,
+        "per_rank_batch": batch,
         "num_classes": CLASSES,
         "amp": "none (fp32)",
         "optimizer": "SGD momentum 0.9 (ddptrain's default)",
@@ -265,7 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print_memory(rows)
     common.print_table("fsdp against ddp, 2 ranks (CPU, gloo)", rows, ratios)
-    print(f"  -> {common.write_results('fsdp', args.quick, settings, rows, ratios)}")
+    name = "fsdp" if batch == PER_RANK_BATCH else f"fsdp-b{batch}"
+    print(f"  -> {common.write_results(name, args.quick, settings, rows, ratios)}")
     return {"rows": rows, "ratios": ratios}
 
 

@@ -5,8 +5,9 @@ Setup runs in three phases so that a user error on any rank ends every rank:
 2. local work that may fail on some ranks only (data checks, reading the checkpoint and
    checking that it fits, the out-dir), ended by `agree`;
 3. collective work, reached by every rank, in this order: pretrained weights, place the model
-   (device, dtype, memory format), wrap it by strategy, build the optimizer on the wrapped
-   parameters (under fsdp, the shards), restore the checkpoint into them.
+   (device, dtype, memory format) and wrap it by strategy (under fsdp, sharded first, so that
+   only the shards are placed), build the optimizer on the wrapped parameters (under fsdp, the
+   shards), restore the checkpoint into them.
 """
 
 import os
@@ -28,7 +29,14 @@ from ddptrain.dist.phases import Phases
 from ddptrain.dist.threads import too_many_workers, usable_cores
 from ddptrain.errors import Stopped, UserError, first_line, peer_lost, report
 from ddptrain.model.build import build_model, load_pretrained
-from ddptrain.model.parallelize import Communication, checkpoint_parts, is_sharded, unwrap, wrap
+from ddptrain.model.parallelize import (
+    Communication,
+    builds_on_meta,
+    checkpoint_parts,
+    is_sharded,
+    unwrap,
+    wrap,
+)
 from ddptrain.model.precision import DTYPES, Precision, resolve_precision
 from ddptrain.report.profile import StepProfiler
 from ddptrain.report.progress import counting, say
@@ -120,7 +128,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
             reporter.info(f"pretrained {config.arch}{origin}: new weights for {', '.join(fresh)}")
     parameters = sum(p.numel() for p in model.parameters())
     model = wrap(
-        precision.place(model, env.device),
+        model,
         env,
         gpu_pinned=config.gpu is not None,
         strategy=config.strategy,
@@ -130,6 +138,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         reshard_after_forward=config.reshard_after_forward,
         comm=Communication.of(config),
         example=None if config.evaluate else _example(config, precision, env.device),
+        place=lambda built: precision.place(built, env.device),
     )
     steps_per_epoch = loaders.train_sampler.steps if loaders.train_sampler else 1
     optimizer, scheduler = build_optimizer(model, config, steps_per_epoch)
@@ -305,7 +314,13 @@ def _prepare(
     if config.tensorboard:
         require_tensorboard()  # on every rank, so that every rank stops when it is missing
     loaders = build_data(config, env, _data_root(config, env), seed, leave_out)
-    model = build_model(config.arch, loaders.num_classes, config.image_size, config.pretrained)
+    model = build_model(
+        config.arch,
+        loaders.num_classes,
+        config.image_size,
+        config.pretrained,
+        meta=builds_on_meta(env, config.strategy),
+    )
     if saved is not None:
         check_compatible(saved, resume, config.arch, loaders.class_to_idx)
         check_fits(saved, resume, model)

@@ -6,13 +6,15 @@ import torch
 import torchvision
 from harness import run_ranks
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from ddptrain.config import Config
 from ddptrain.data.loaders import build_data
+from ddptrain.model.build import build_model
 from ddptrain.model.fsdp import shard_units
-from ddptrain.model.parallelize import is_sharded, unwrap, wrap
+from ddptrain.model.parallelize import builds_on_meta, is_sharded, unwrap, wrap
 from ddptrain.model.precision import Precision
-from ddptrain.state.checkpointer import Checkpointer, TrainState, training_parts
+from ddptrain.state.checkpointer import Checkpointer, ModelState, TrainState, training_parts
 from ddptrain.state.files import load
 from ddptrain.train.step import Step
 
@@ -108,6 +110,39 @@ def test_checkpoints_move_between_strategies_and_world_sizes(tiny_data, tmp_path
         out_dir = tmp_path / str(i)
         weights = run_ranks(train_epoch, world, tiny_data, out_dir, strategy, resume)[0]
         torch.testing.assert_close(weights, reference, rtol=0, atol=1e-5, msg=name)
+
+
+def built_and_sharded(env):
+    """As `ddptrain train` builds and wraps the model under fsdp: resnet18 on rank 0, its
+    structure alone on the meta device elsewhere. Returns the rank's peak bytes of tensors over
+    the build and the wrap (MemTracker), its buffers, and rank 0's gathered full weights."""
+    torch.manual_seed(0)
+    tracker = MemTracker()
+    with tracker:
+        model = build_model("resnet18", 3, 16, False, meta=builds_on_meta(env, "fsdp"))
+        model = wrap(model, env, strategy="fsdp", arch="resnet18")
+    peaks = tracker.get_tracker_snapshot("peak").items()
+    peak = sum(per_device["Total"] for device, per_device in peaks if device.type != "meta")
+    buffers = torch.cat([b.float().flatten() for b in model.buffers()])
+    full = ModelState(model, env, sharded=True).state_dict()  # gathered on rank 0
+    gathered = torch.cat([v.float().flatten() for v in full.values()]) if env.is_main else None
+    return peak, buffers, gathered
+
+
+def test_under_fsdp_no_rank_but_rank_0_ever_holds_the_whole_model():
+    (peak0, buffers0, gathered), (peak1, buffers1, _) = run_ranks(built_and_sharded, 2)
+    torch.manual_seed(0)
+    reference = build_model("resnet18", 3, 16, False)
+    sizes = [v.numel() * v.element_size() for v in reference.state_dict().values()]
+    whole = sum(sizes)
+    # Rank 1 never held more than its half (and padding) and the tensor being broadcast into it.
+    assert peak1 <= 0.51 * whole + max(sizes), (peak1, whole, max(sizes))
+    assert peak1 < 0.75 * whole
+    assert peak0 >= whole  # rank 0 built it
+    # ... and holds rank 0's initial weights in its shards, and its buffers.
+    expected = torch.cat([v.float().flatten() for v in reference.state_dict().values()])
+    torch.testing.assert_close(torch.as_tensor(gathered), expected, rtol=0, atol=0)
+    torch.testing.assert_close(torch.as_tensor(buffers1), torch.as_tensor(buffers0), rtol=0, atol=0)
 
 
 def test_shard_units_are_the_blocks():

@@ -105,6 +105,19 @@ def test_an_fsdp_checkpoint_evaluated_in_one_process_gives_the_logged_counts(
     assert evaluated["loss"] == pytest.approx(logged["loss"], rel=1e-5)
 
 
+def test_pretrained_weights_reach_every_fsdp_shard(tiny_data, tmp_path, uninterrupted):
+    # Rank 1 builds its model without weights (on the meta device) and never reads the file: its
+    # shards hold rank 0's pretrained weights, or its half of the counts would differ.
+    weights = tmp_path / "trained.safetensors"
+    ok(ddptrain("export", uninterrupted / "checkpoint.pt", "--out", weights))
+    logged = val_records(uninterrupted)[-1]
+    evaluate = ("eval", *tiny_args(tiny_data, tmp_path / "eval"), "--pretrained", weights)
+    result = ok(torchrun(2, *evaluate, "--strategy", "fsdp"))
+    assert f"acc1 {logged['acc1']:.2f} acc5 {logged['acc5']:.2f} ({logged['samples']} images)" in (
+        result.stdout
+    )
+
+
 def test_a_ddp_run_continues_under_fsdp(tiny_data, tmp_path):
     out = tmp_path / "run"
     ok(torchrun(2, "train", *tiny_args(tiny_data, out), "--checkpoint-every", 2))

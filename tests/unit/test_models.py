@@ -17,6 +17,15 @@ def test_the_size_check_leaves_batchnorm_statistics_as_built():
     assert int(model.bn1.num_batches_tracked) == 0
 
 
+def test_a_rank_that_receives_rank_0s_weights_builds_the_structure_alone():
+    meta = build_model("vit_b_16", 3, 32, pretrained=False, meta=True)
+    assert all(t.is_meta for t in [*meta.parameters(), *meta.buffers()])
+    assert meta.encoder.pos_embedding.shape[1] == 4 + 1  # sized for the crops all the same
+    # RegNet reads its widths out of tensors, which the meta device does not hold: real weights.
+    regnet = build_model("regnet_x_400mf", 3, 32, pretrained=False, meta=True)
+    assert not any(p.is_meta for p in regnet.parameters())
+
+
 @pytest.mark.parametrize(("arch", "size"), [("vit_b_32", 40), ("inception_v3", 224)])
 def test_an_arch_that_cannot_take_the_crop_size_is_a_user_error(arch, size):
     with pytest.raises(UserError, match=f"--arch {arch} does not run on {size} px"):

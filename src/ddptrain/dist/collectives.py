@@ -117,14 +117,6 @@ def broadcast_buffers(module: torch.nn.Module, env: DistEnv) -> None:
             dist.broadcast(buffer, src=0)
 
 
-def broadcast_module(module: torch.nn.Module, env: DistEnv) -> None:
-    """Rank 0's parameters and buffers on every rank, as DDP does when it wraps a model."""
-    if env.distributed:
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor, src=0)
-
-
 def rank0_first(env: DistEnv, fetch: Callable[[], object]) -> object:
     """fetch() on rank 0, then on the others: for a download one process should do.
 

@@ -21,12 +21,18 @@ from ddptrain.state.files import safe_load
 TRANSFORM_INPUT = ("googlenet", "inception_v3")
 
 
-def build_model(arch: str, num_classes: int, image_size: int, pretrained: bool | str) -> nn.Module:
+def build_model(
+    arch: str, num_classes: int, image_size: int, pretrained: bool | str, meta: bool = False
+) -> nn.Module:
     """arch with a num_classes head, checked to run on image_size crops.
 
     The check is one train-mode forward pass on the CPU (train mode: inception's auxiliary head
     needs 299 px): an architecture that cannot take the crop size is a user error, not a
     traceback in the first step. It leaves the weights and BatchNorm statistics as built.
+
+    meta: the structure only, on the meta device, for a rank that will receive rank 0's weights
+    (parallelize.builds_on_meta); unchecked, as rank 0's check speaks for every rank. A model
+    that cannot be built there (RegNet) is built with weights.
     """
     # Only torchvision's own weights expect it (pretrained=True; a str is a file of ours).
     extra = {"transform_input": True} if pretrained is True and arch in TRANSFORM_INPUT else {}
@@ -35,11 +41,13 @@ def build_model(arch: str, num_classes: int, image_size: int, pretrained: bool |
         # for the crops it will see. Published weights are for 224 px only.
         extra["image_size"] = image_size
     try:
-        model = torchvision.models.get_model(arch, num_classes=num_classes, **extra)
+        model = _structure(arch, meta, num_classes=num_classes, **extra)
     except AssertionError as err:  # a ViT for crops its patches do not divide
         raise UserError(
             f"--arch {arch} does not run on {image_size} px crops (--image-size): {first_line(err)}"
         ) from None
+    if next(model.parameters()).is_meta:
+        return model
     # A no-grad forward changes only buffers (BatchNorm statistics): keep those, not the weights.
     as_built = [buffer.clone() for buffer in model.buffers()]
     try:
@@ -53,6 +61,17 @@ def build_model(arch: str, num_classes: int, image_size: int, pretrained: bool |
         for buffer, saved in zip(model.buffers(), as_built, strict=True):
             buffer.copy_(saved)
     return model
+
+
+def _structure(arch: str, meta: bool, **options) -> nn.Module:
+    """torchvision's model, on the meta device if asked and the model can be built there."""
+    if meta:
+        try:
+            with torch.device("meta"):
+                return torchvision.models.get_model(arch, **options)
+        except NotImplementedError:
+            pass  # RegNet reads its widths out of tensors: built with weights, as on rank 0
+    return torchvision.models.get_model(arch, **options)
 
 
 def _pretrained_state(arch: str, show_progress: bool) -> dict[str, torch.Tensor]:
@@ -106,8 +125,11 @@ def load_pretrained(
     checkpoint. A head of another class count stays new; returns the names left new (the
     caller's Reporter says so).
 
-    A collective: every rank must call it.
+    A collective: every rank must call it. A model on the meta device is left as it is: its
+    rank receives rank 0's weights when it is wrapped.
     """
+    if next(model.parameters()).is_meta:
+        return rank0_first(env, lambda: [])
     if source is True:
         state = rank0_first(env, lambda: _pretrained_state(arch, show_progress=env.is_main))
         return _load_fitting(model, state)

@@ -12,10 +12,17 @@ freed after, so a rank holds the whole of one block at a time and a shard of the
 3. else each direct child of the model that holds parameters (GoogLeNet, Inception v3).
 
 Then the root, which takes what no unit holds (stem, head).
+
+The whole model never sits on the device: each unit's parameters go to the device as that unit
+is sharded, and only rank 0 builds real weights (the other ranks build on the meta device, which
+holds no memory), which are then broadcast into every rank's shards tensor by tensor.
 """
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -37,6 +44,7 @@ from torchvision.models import (
     vision_transformer,
 )
 
+from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
 
 BLOCKS = (
@@ -109,13 +117,18 @@ def shard(
     reshard_after_forward: bool = True,
     device: torch.device | None = None,
 ) -> nn.Module:
-    """fully_shard on each unit, then the root, over the default process group's ranks."""
+    """fully_shard on each unit, then the root, over the default process group's ranks, on
+    `device` (each unit's parameters move there as it is sharded; meta ones stay meta)."""
     units = shard_units(model)
     if not units:
         raise UserError(f"--strategy fsdp: no blocks to shard in --arch {arch}; use --strategy ddp")
+    device = device or torch.device("cpu")
     options = dict(
+        # The run's device, not FSDP's default (the machine's accelerator): `--device cpu` on a
+        # GPU machine shards on the CPU.
+        mesh=init_device_mesh(device.type, (dist.get_world_size(),)),
         mp_policy=mixed_precision(amp_dtype),
-        offload_policy=offload_policy(offload, device or torch.device("cpu")),
+        offload_policy=offload_policy(offload, device),
     )
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
@@ -123,3 +136,36 @@ def shard(
     # forward saves one all-gather per step.
     fully_shard(model, reshard_after_forward=False, **options)
     return model
+
+
+def shard_from_rank0(
+    model: nn.Module,
+    env: DistEnv,
+    arch: str,
+    amp_dtype: torch.dtype | None = None,
+    offload: bool = False,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """The model sharded over the ranks (`shard`), every shard holding rank 0's weights and
+    every rank rank 0's buffers, as DDP starts every rank from rank 0's. `model` is built on the
+    CPU on rank 0 and on the CPU or the meta device on the others. A collective."""
+    initial = model.state_dict() if env.is_main else {}  # keeps rank 0's full copy on the host
+    model = shard(model, arch, amp_dtype, offload, reshard_after_forward, env.device)
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        # Room for this rank's shards, filled next. Under --fsdp-offload on a GPU, FSDP moves
+        # them to pinned host memory as its first forward starts (FSDPParam.reset_sharded_param).
+        model.to_empty(device=env.device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, initial, options=options)
+    _broadcast_non_persistent_buffers(model)
+    return model
+
+
+def _broadcast_non_persistent_buffers(model: nn.Module) -> None:
+    """Buffers the state dict leaves out (a model's precomputed constants): rank 0's, as a rank
+    built on the meta device has none."""
+    saved = set(model.state_dict())
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name not in saved:
+                dist.broadcast(buffer, src=0)

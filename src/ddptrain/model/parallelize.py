@@ -7,6 +7,7 @@ model/fsdp.py). One rank runs the plain model under either: there is nothing to 
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.config import Config
-from ddptrain.dist.collectives import broadcast_module
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.model import comm_hooks, fsdp
@@ -58,20 +58,26 @@ def wrap(
     reshard_after_forward: bool = True,
     comm: Communication | None = None,
     example: torch.Tensor | None = None,
+    place: Callable[[nn.Module], nn.Module] | None = None,
 ) -> nn.Module:
-    """The model, placed on env.device already, wrapped for `strategy`. Build the optimizer on
-    what this returns: under fsdp its parameters are the shards.
+    """The model placed on env.device by `place` (device, memory format) and wrapped for
+    `strategy`. Build the optimizer on what this returns: under fsdp its parameters are the
+    shards.
 
     ddp: DDP with two or more ranks, on CPU as well as GPU; DataParallel as the classic example
     does for one process on several GPUs. A collective with two or more ranks. `example`, a
     batch of two inputs as training feeds them, lays DDP's buckets out before the first step
     (`lay_out_buckets`).
+
+    fsdp with two or more ranks: sharded first, so that only shards reach the device (each
+    unit's as it is sharded: `place` is not needed), from rank 0's weights; the model may be
+    built on the meta device on the other ranks (`builds_on_meta`).
     """
     assert strategy in STRATEGIES, strategy
     if env.distributed and strategy == "fsdp":
-        # Each rank built its own initial weights; FSDP2 keeps each rank's slice of its own.
-        broadcast_module(model, env)
-        return fsdp.shard(model, arch, amp_dtype, offload, reshard_after_forward, env.device)
+        return fsdp.shard_from_rank0(model, env, arch, amp_dtype, offload, reshard_after_forward)
+    if place is not None:
+        model = place(model)
     if env.distributed:
         device_ids = None if env.device.type == "cpu" else [env.device.index]
         return _ddp(model, device_ids, comm or Communication(), example, amp_dtype)
@@ -83,6 +89,13 @@ def wrap(
         )
         return nn.DataParallel(model)
     return model
+
+
+def builds_on_meta(env: DistEnv, strategy: str) -> bool:
+    """Whether this rank builds its model without weights, on the meta device: under fsdp on
+    two or more ranks, every rank but rank 0, whose weights `wrap` broadcasts into the shards.
+    A rank then never holds the whole model, in host memory or on the device."""
+    return env.distributed and strategy == "fsdp" and not env.is_main
 
 
 def _ddp(
