@@ -22,7 +22,6 @@ import resource
 
 import torch
 import torch.distributed as dist
-import torchvision
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 
@@ -32,10 +31,10 @@ from ddptrain.config import Config
 from ddptrain.data.loaders import Data
 from ddptrain.dist.env import init_distributed, teardown_distributed
 from ddptrain.errors import first_line
+from ddptrain.model.build import build_model
 from ddptrain.model.parallelize import wrap
 from ddptrain.model.precision import resolve_precision
 from ddptrain.tools.plan import PlanRequest, plan
-from ddptrain.tools.trace import model_options
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.step import Step
 
@@ -109,10 +108,7 @@ def rank_main(arch: str, image_size: int, strategy: str, steps: int, per_rank_ba
     try:
         count = max(TRACKED_STEPS, steps)
         batches = random_batches(count, per_rank_batch, image_size, CLASSES, seed=env.rank)
-        # build_model would build torchvision's ViTs for 224 px only; this is the planner's build.
-        model = torchvision.models.get_model(
-            arch, num_classes=CLASSES, **model_options(arch, image_size)
-        )
+        model = build_model(arch, CLASSES, image_size, pretrained=False)
         precision = resolve_precision(config, None, model, env.device)
         blank = torch.zeros(2, 3, image_size, image_size, dtype=torch.uint8)
         example = precision.inputs(blank, env.device)  # as ddptrain lays out DDP's buckets

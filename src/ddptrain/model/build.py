@@ -69,7 +69,7 @@ def _structure(arch: str, meta: bool, **options) -> nn.Module:
         try:
             with torch.device("meta"):
                 return torchvision.models.get_model(arch, **options)
-        except NotImplementedError:
+        except (NotImplementedError, RuntimeError):
             pass  # RegNet reads its widths out of tensors: built with weights, as on rank 0
     return torchvision.models.get_model(arch, **options)
 

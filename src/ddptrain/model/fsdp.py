@@ -13,15 +13,15 @@ freed after, so a rank holds the whole of one block at a time and a shard of the
 
 Then the root, which takes what no unit holds (stem, head).
 
-The whole model never sits on the device: each unit's parameters go to the device as that unit
-is sharded, and only rank 0 builds real weights (the other ranks build on the meta device, which
-holds no memory), which are then broadcast into every rank's shards tensor by tensor.
+The whole model never sits on the device: each unit's parameters go to the device (to host
+memory under --fsdp-offload) as that unit is sharded, and only rank 0 builds real weights (the
+other ranks build on the meta device, which holds no memory), which are then broadcast into
+every rank's shards tensor by tensor.
 """
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -29,6 +29,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torchvision.models import (
     convnext,
     densenet,
@@ -118,7 +119,8 @@ def shard(
     device: torch.device | None = None,
 ) -> nn.Module:
     """fully_shard on each unit, then the root, over the default process group's ranks, on
-    `device` (each unit's parameters move there as it is sharded; meta ones stay meta)."""
+    `device` (each unit's parameters move there as it is sharded, or to host memory under
+    `offload`; meta ones stay meta)."""
     units = shard_units(model)
     if not units:
         raise UserError(f"--strategy fsdp: no blocks to shard in --arch {arch}; use --strategy ddp")
@@ -149,23 +151,46 @@ def shard_from_rank0(
     """The model sharded over the ranks (`shard`), every shard holding rank 0's weights and
     every rank rank 0's buffers, as DDP starts every rank from rank 0's. `model` is built on the
     CPU on rank 0 and on the CPU or the meta device on the others. A collective."""
-    initial = model.state_dict() if env.is_main else {}  # keeps rank 0's full copy on the host
+    # Rank 0's full copy stays in host memory, as the device receives only its shards.
+    initial = dict(_tensors(model)) if env.is_main else {}
     model = shard(model, arch, amp_dtype, offload, reshard_after_forward, env.device)
-    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        # Room for this rank's shards, filled next. Under --fsdp-offload on a GPU, FSDP moves
-        # them to pinned host memory as its first forward starts (FSDPParam.reset_sharded_param).
-        model.to_empty(device=env.device)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, initial, options=options)
-    _broadcast_non_persistent_buffers(model)
+    if any(t.is_meta for _, t in _tensors(model)):
+        _make_room(model, env.device, offload)
+    _fill_from_rank0(model, initial, env)
     return model
 
 
-def _broadcast_non_persistent_buffers(model: nn.Module) -> None:
-    """Buffers the state dict leaves out (a model's precomputed constants): rank 0's, as a rank
-    built on the meta device has none."""
-    saved = set(model.state_dict())
+def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer by name (non-persistent buffers too: a meta rank has none)."""
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+def _make_room(model: nn.Module, device: torch.device, offload: bool) -> None:
+    """Memory for a meta rank's shards and buffers where FSDP keeps them on rank 0: shards on
+    the device, or in host memory under --fsdp-offload (buffers stay on the device)."""
+    model.to_empty(device=torch.device("cpu") if offload else device)
+    if offload:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))
+
+
+def _fill_from_rank0(model: nn.Module, initial: dict[str, torch.Tensor], env: DistEnv) -> None:
+    """Each rank's shards and buffers from rank 0's full tensors, broadcast one at a time on
+    the device. Not torch's set_model_state_dict(broadcast_from_rank0): it refuses a model
+    whose tensors are on two devices, as under --fsdp-offload (shards on the host, buffers on
+    the GPU), and leaves non-persistent buffers out."""
     with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name not in saved:
-                dist.broadcast(buffer, src=0)
+        for name, tensor in _tensors(model):
+            if env.is_main:
+                full = initial[name].to(env.device)
+            else:
+                full = torch.empty(tensor.shape, dtype=tensor.dtype, device=env.device)
+            dist.broadcast(full, src=0)
+            if isinstance(tensor, DTensor):  # this rank's slice, as FSDP cut it
+                full = distribute_tensor(
+                    full, tensor.device_mesh, tensor.placements, src_data_rank=None
+                )
+                tensor.to_local().copy_(full.to_local())
+            else:
+                tensor.copy_(full)

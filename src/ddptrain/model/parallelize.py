@@ -60,9 +60,9 @@ def wrap(
     example: torch.Tensor | None = None,
     place: Callable[[nn.Module], nn.Module] | None = None,
 ) -> nn.Module:
-    """The model placed on env.device by `place` (device, memory format) and wrapped for
-    `strategy`. Build the optimizer on what this returns: under fsdp its parameters are the
-    shards.
+    """The model placed on env.device by `place` (device, memory format; by default the device
+    alone) and wrapped for `strategy`. Build the optimizer on what this returns: under fsdp its
+    parameters are the shards.
 
     ddp: DDP with two or more ranks, on CPU as well as GPU; DataParallel as the classic example
     does for one process on several GPUs. A collective with two or more ranks. `example`, a
@@ -70,14 +70,13 @@ def wrap(
     (`lay_out_buckets`).
 
     fsdp with two or more ranks: sharded first, so that only shards reach the device (each
-    unit's as it is sharded: `place` is not needed), from rank 0's weights; the model may be
-    built on the meta device on the other ranks (`builds_on_meta`).
+    unit's as it is sharded: `place` is not needed; host memory under `offload`), from rank 0's
+    weights; the model may be built on the meta device on the other ranks (`builds_on_meta`).
     """
     assert strategy in STRATEGIES, strategy
     if env.distributed and strategy == "fsdp":
         return fsdp.shard_from_rank0(model, env, arch, amp_dtype, offload, reshard_after_forward)
-    if place is not None:
-        model = place(model)
+    model = place(model) if place is not None else model.to(env.device)
     if env.distributed:
         device_ids = None if env.device.type == "cpu" else [env.device.index]
         return _ddp(model, device_ids, comm or Communication(), example, amp_dtype)

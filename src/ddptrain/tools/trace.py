@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torchvision
 from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -45,6 +44,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ddptrain.config import Config
 from ddptrain.errors import first_line
+from ddptrain.model.build import build_model
 from ddptrain.model.fsdp import shard
 from ddptrain.model.precision import DTYPES, Precision
 from ddptrain.train.optim import build_optimizer
@@ -63,22 +63,11 @@ class ModelError(Exception):
     """The model does not run at these settings: the user's to fix (reported in one line)."""
 
 
-def model_options(arch: str, image_size: int) -> dict:
-    """torchvision's ViTs fix their input size when built (224 unless told)."""
-    return {"image_size": image_size} if arch.startswith("vit_") else {}
-
-
 def _meta_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
     """The model on the meta device: shapes, no data. A builder that computes with tensors (RegNet
     derives its widths so) cannot run there: it builds on the CPU, and its weights are allocated
     once, for as long as it takes to move them to meta."""
-    options = model_options(arch, image_size)
-    try:
-        with torch.device("meta"):
-            return torchvision.models.get_model(arch, num_classes=num_classes, **options)
-    except (NotImplementedError, RuntimeError):
-        model = torchvision.models.get_model(arch, num_classes=num_classes, **options)
-        return model.to("meta")
+    return build_model(arch, num_classes, image_size, pretrained=False, meta=True).to("meta")
 
 
 def _fake_model(request: dict, strategy: str, fake_mode: FakeTensorMode) -> nn.Module:
