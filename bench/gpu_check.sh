@@ -3,9 +3,9 @@
 # with --amp bf16 --channels-last, on synthetic data (--dummy: FakeData through the same uint8
 # path), on a generated JPEG ImageFolder, and from batches preloaded in memory (the compute
 # bound); then, under torchrun on the same JPEG set, --strategy fsdp and, with 2 or more GPUs, 2
-# ranks with each --ddp-comm-hook. Prints samples/s for each, and the total time. With the venv
-# in place: about 5 minutes on one GPU, 7.5 with two or more (estimated, not yet timed on a
-# GPU: each torchrun run adds about 30 s).
+# ranks with each --ddp-comm-hook and fsdp with and without --fsdp-offload. Prints samples/s for
+# each, and the total time. With the venv in place: about 5 minutes on one GPU, 8 with two or
+# more (estimated, not yet timed on a GPU: each torchrun run adds about 30 s).
 #
 #   bash bench/gpu_check.sh            (from the repository root; PYTHON=... to pick python)
 set -euo pipefail
@@ -108,6 +108,9 @@ else
     torchrun_check ddp-2-powersgd 2 "${TWO[@]}" --channels-last --ddp-comm-hook powersgd \
         --powersgd-start-step 2
     torchrun_check fsdp-2 2 "${TWO[@]}" --strategy fsdp
+    # Rank 1 builds on the meta device and its shards live in pinned host memory, its buffers
+    # on the GPU: the one path of the meta build the CPU tests cannot reach.
+    torchrun_check fsdp-2-offload 2 "${TWO[@]}" --strategy fsdp --fsdp-offload
 fi
 echo "== done in $SECONDS s"
 exit "$FAILED"
