@@ -106,8 +106,8 @@ def test_an_fsdp_checkpoint_evaluated_in_one_process_gives_the_logged_counts(
 
 
 def test_pretrained_weights_reach_every_fsdp_shard(tiny_data, tmp_path, uninterrupted):
-    # Rank 1 builds its model without weights (on the meta device) and never reads the file: its
-    # shards hold rank 0's pretrained weights, or its half of the counts would differ.
+    # Rank 1 builds its model without weights (on the meta device) and skips loading the file:
+    # its shards hold rank 0's pretrained weights, or its half of the counts would differ.
     weights = tmp_path / "trained.safetensors"
     ok(ddptrain("export", uninterrupted / "checkpoint.pt", "--out", weights))
     logged = val_records(uninterrupted)[-1]
