@@ -151,8 +151,9 @@ def shard_from_rank0(
     """The model sharded over the ranks (`shard`), every shard holding rank 0's weights and
     every rank rank 0's buffers, as DDP starts every rank from rank 0's. `model` is built on the
     CPU on rank 0 and on the CPU or the meta device on the others. A collective."""
-    # Rank 0's full copy stays in host memory, as the device receives only its shards.
-    initial = dict(_tensors(model)) if env.is_main else {}
+    # Rank 0's full copy stays in host memory, as the device receives only its shards: detached
+    # aliases of the storage as built, which fully_shard's move (`param.data = ...`) leaves.
+    initial = {name: t.detach() for name, t in _tensors(model)} if env.is_main else {}
     model = shard(model, arch, amp_dtype, offload, reshard_after_forward, env.device)
     if any(t.is_meta for _, t in _tensors(model)):
         _make_room(model, env.device, offload)
