@@ -50,9 +50,13 @@ def test_plan_json_matches_a_measured_ddp_step():
     assert fsdp["all_gather_peak"] > 0 and fsdp["peak"] < ddp["peak"]
 
 
-def test_plan_reports_a_model_that_cannot_take_the_crop_in_one_line():
-    result = ddptrain("plan", "-a", "inception_v3", "--image-size", "32", "-b", "2")
+@pytest.mark.parametrize(
+    ("arch", "size"),
+    [("inception_v3", 32), ("vit_b_32", 40)],  # its step fails; its build fails (patches)
+)
+def test_plan_reports_a_model_that_cannot_take_the_crop_in_one_line(arch, size):
+    result = ddptrain("plan", "-a", arch, "--image-size", size, "-b", "2")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ddptrain: error: --arch inception_v3"), lines
-    assert "32 px" in lines[0] and "Traceback" not in result.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"ddptrain: error: --arch {arch}"), lines
+    assert f"{size} px" in lines[0] and "Traceback" not in result.stderr

@@ -13,10 +13,10 @@ freed after, so a rank holds the whole of one block at a time and a shard of the
 
 Then the root, which takes what no unit holds (stem, head).
 
-The whole model never sits on the device: each unit's parameters go to the device (to host
-memory under --fsdp-offload) as that unit is sharded, and only rank 0 builds real weights (the
-other ranks build on the meta device, which holds no memory), which are then broadcast into
-every rank's shards tensor by tensor.
+The whole model never sits on the device. Only rank 0 builds real weights (the other ranks
+build on the meta device, which holds no memory, and then make room for their shards alone);
+on rank 0 one unit at a time passes through the device whole as it is sharded. Rank 0's
+weights are then scattered into every rank's shards one tensor at a time.
 """
 
 import torch
@@ -29,7 +29,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 from torchvision.models import (
     convnext,
     densenet,
@@ -45,6 +45,7 @@ from torchvision.models import (
     vision_transformer,
 )
 
+from ddptrain.dist.collectives import broadcast_buffers
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
 
@@ -153,17 +154,13 @@ def shard_from_rank0(
     CPU on rank 0 and on the CPU or the meta device on the others. A collective."""
     # Rank 0's full copy stays in host memory, as the device receives only its shards: detached
     # aliases of the storage as built, which fully_shard's move (`param.data = ...`) leaves.
-    initial = {name: t.detach() for name, t in _tensors(model)} if env.is_main else {}
+    initial = {name: p.detach() for name, p in model.named_parameters()} if env.is_main else {}
     model = shard(model, arch, amp_dtype, offload, reshard_after_forward, env.device)
-    if any(t.is_meta for _, t in _tensors(model)):
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         _make_room(model, env.device, offload)
-    _fill_from_rank0(model, initial, env)
+    _scatter_from_rank0(model, initial, env)
+    broadcast_buffers(model, env)  # non-persistent ones too: a meta rank holds them unset
     return model
-
-
-def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer by name (non-persistent buffers too: a meta rank has none)."""
-    return [*model.named_parameters(), *model.named_buffers()]
 
 
 def _make_room(model: nn.Module, device: torch.device, offload: bool) -> None:
@@ -176,22 +173,16 @@ def _make_room(model: nn.Module, device: torch.device, offload: bool) -> None:
                 setattr(module, name, buffer.to(device))
 
 
-def _fill_from_rank0(model: nn.Module, initial: dict[str, torch.Tensor], env: DistEnv) -> None:
-    """Each rank's shards and buffers from rank 0's full tensors, broadcast one at a time on
-    the device. Not torch's set_model_state_dict(broadcast_from_rank0): it refuses a model
+def _scatter_from_rank0(model: nn.Module, initial: dict[str, torch.Tensor], env: DistEnv) -> None:
+    """Each rank's shard of every parameter, scattered from rank 0's full tensors one at a time
+    on the device. Not torch's set_model_state_dict(broadcast_from_rank0): it refuses a model
     whose tensors are on two devices, as under --fsdp-offload (shards on the host, buffers on
-    the GPU), and leaves non-persistent buffers out."""
+    the GPU)."""
     with torch.no_grad():
-        for name, tensor in _tensors(model):
+        for name, param in model.named_parameters():
             if env.is_main:
                 full = initial[name].to(env.device)
-            else:
-                full = torch.empty(tensor.shape, dtype=tensor.dtype, device=env.device)
-            dist.broadcast(full, src=0)
-            if isinstance(tensor, DTensor):  # this rank's slice, as FSDP cut it
-                full = distribute_tensor(
-                    full, tensor.device_mesh, tensor.placements, src_data_rank=None
-                )
-                tensor.to_local().copy_(full.to_local())
-            else:
-                tensor.copy_(full)
+            else:  # the shape alone counts: rank 0's data is scattered into it
+                full = torch.empty(param.shape, dtype=param.dtype, device=env.device)
+            mine = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0)
+            param.to_local().copy_(mine.to_local())

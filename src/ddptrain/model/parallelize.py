@@ -69,9 +69,10 @@ def wrap(
     batch of two inputs as training feeds them, lays DDP's buckets out before the first step
     (`lay_out_buckets`).
 
-    fsdp with two or more ranks: sharded first, so that only shards reach the device (each
-    unit's as it is sharded: `place` is not needed; host memory under `offload`), from rank 0's
-    weights; the model may be built on the meta device on the other ranks (`builds_on_meta`).
+    fsdp with two or more ranks: sharded first, so that only shards stay on the device (host
+    memory under `offload`), from rank 0's weights; the model may be built on the meta device on
+    the other ranks (`builds_on_meta`). Sharding places each unit, so `place` is not called: the
+    device is all it would set, as fsdp refuses channels_last (resolve_precision).
     """
     assert strategy in STRATEGIES, strategy
     if env.distributed and strategy == "fsdp":

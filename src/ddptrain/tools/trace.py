@@ -43,7 +43,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ddptrain.config import Config
-from ddptrain.errors import first_line
+from ddptrain.errors import UserError, first_line
 from ddptrain.model.build import build_model
 from ddptrain.model.fsdp import shard
 from ddptrain.model.precision import DTYPES, Precision
@@ -65,9 +65,15 @@ class ModelError(Exception):
 
 def _meta_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
     """The model on the meta device: shapes, no data. A builder that computes with tensors (RegNet
-    derives its widths so) cannot run there: it builds on the CPU, and its weights are allocated
-    once, for as long as it takes to move them to meta."""
-    return build_model(arch, num_classes, image_size, pretrained=False, meta=True).to("meta")
+    derives its widths so) cannot run there: it builds on the CPU, checked with one forward as a
+    run's rank 0 builds it, and its weights are allocated for as long as it takes to move them to
+    meta."""
+    try:
+        model = build_model(arch, num_classes, image_size, pretrained=False, meta=True)
+    except UserError as err:  # a ViT whose patches do not divide the crops
+        reason = str(err).rsplit(": ", 1)[-1]  # after build_model's own naming of the flags
+        raise ModelError(f"it does not run on {image_size} px crops: {reason}") from None
+    return model.to("meta")
 
 
 def _fake_model(request: dict, strategy: str, fake_mode: FakeTensorMode) -> nn.Module:
