@@ -93,7 +93,7 @@ def wrap(
 
 def builds_on_meta(env: DistEnv, strategy: str) -> bool:
     """Whether this rank builds its model without weights, on the meta device: under fsdp on
-    two or more ranks, every rank but rank 0, whose weights `wrap` broadcasts into the shards.
+    two or more ranks, every rank but rank 0, whose weights `wrap` scatters into the shards.
     A rank then never holds the whole model, in host memory or on the device."""
     return env.distributed and strategy == "fsdp" and not env.is_main
 
