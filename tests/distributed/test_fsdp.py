@@ -34,10 +34,15 @@ def group_norm_resnet(env):
     return model
 
 
+def flat(state: dict) -> torch.Tensor:
+    """Every tensor of a state dict as one float vector (BatchNorm's counts included)."""
+    return torch.cat([v.float().flatten() for v in state.values()])
+
+
 def full_weights(checkpointer: Checkpointer):
     """The model's full state as one vector on rank 0 (None elsewhere). A collective."""
     state = checkpointer.parts["model"].state_dict()
-    return torch.cat([v.flatten() for v in state.values()]) if checkpointer.env.is_main else None
+    return flat(state) if checkpointer.env.is_main else None
 
 
 def train_epoch(env, root, out_dir, strategy, resume=None, sharded_format=False, wrapping=None):
@@ -88,11 +93,11 @@ def test_fsdp_offloaded_and_kept_gathered_after_forward_trains_the_same(
 
 def test_fsdp_on_two_ranks_equals_ddp(first_epoch):
     (_, ddp), (fsdp_dir, fsdp) = first_epoch["ddp"], first_epoch["fsdp"]
-    untrained = torch.cat([v.flatten() for v in group_norm_resnet(RANK0).state_dict().values()])
+    untrained = flat(group_norm_resnet(RANK0).state_dict())
     assert not torch.equal(ddp, untrained)
     torch.testing.assert_close(fsdp, ddp, rtol=0, atol=1e-5)
     saved = load(fsdp_dir / "checkpoint.pt")["model"]  # the file holds what rank 0 gathered
-    torch.testing.assert_close(torch.cat([v.flatten() for v in saved.values()]), fsdp)
+    torch.testing.assert_close(flat(saved), fsdp)
 
 
 def test_checkpoints_move_between_strategies_and_world_sizes(tiny_data, tmp_path, first_epoch):
@@ -125,7 +130,7 @@ def built_and_sharded(env):
     peak = sum(per_device["Total"] for device, per_device in peaks if device.type != "meta")
     buffers = torch.cat([b.float().flatten() for b in model.buffers()])
     full = ModelState(model, env, sharded=True).state_dict()  # gathered on rank 0
-    gathered = torch.cat([v.float().flatten() for v in full.values()]) if env.is_main else None
+    gathered = flat(full) if env.is_main else None
     return peak, buffers, gathered
 
 
@@ -135,13 +140,13 @@ def test_under_fsdp_no_rank_but_rank_0_ever_holds_the_whole_model():
     reference = build_model("resnet18", 3, 16, False)
     sizes = [v.numel() * v.element_size() for v in reference.state_dict().values()]
     whole = sum(sizes)
-    # Rank 1 never held more than its half (and padding) and the tensor being broadcast into it,
-    # with that tensor's slice.
+    # Rank 1 never held more than its half (and padding) and the tensor being scattered into it
+    # (allocated whole to receive its part), with that part.
     assert peak1 <= 0.51 * whole + 1.5 * max(sizes), (peak1, whole, max(sizes))
     assert peak1 < whole
     assert peak0 >= whole  # rank 0 built it
     # ... and holds rank 0's initial weights in its shards, and its buffers.
-    expected = torch.cat([v.float().flatten() for v in reference.state_dict().values()])
+    expected = flat(reference.state_dict())
     torch.testing.assert_close(torch.as_tensor(gathered), expected, rtol=0, atol=0)
     torch.testing.assert_close(torch.as_tensor(buffers1), torch.as_tensor(buffers0), rtol=0, atol=0)
 
