@@ -41,15 +41,18 @@ def format_bytes(count: float) -> str:
 
 
 class Stopped(Exception):
-    """Every rank stopped on a signal (preemption) after saving a checkpoint to resume from."""
+    """Every rank stopped on a signal (preemption) after saving a checkpoint to resume from.
 
-    def __init__(self, signum: int, message: str):
+    It exits 0: the run did what the signal asked, and nothing trained is lost. A non-zero code
+    would make `torchrun --max-restarts` start the group again, resuming what was to stop.
+    """
+
+    def __init__(self, signum: int, message: str, agreed: bool = True):
         super().__init__(message)
         self.signum = signum
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum  # the shell's code for "ended by this signal"
+        # False for a rank stopped alone (signalled while setting up, before any step boundary
+        # where ranks agree): the others must be told to end.
+        self.agreed = agreed
 
 
 def first_line(err: BaseException) -> str:
@@ -113,7 +116,7 @@ def report(err: BaseException) -> int | None:
     for anything else. Prints once per error, however many callers report it.
 
     User mistakes exit 2 (like argparse); a lost peer exits 1; a stop on SIGTERM or SIGUSR1
-    exits 128 + the signal's number once the checkpoint is saved; Ctrl-C exits 130.
+    exits 0 once the checkpoint is saved; Ctrl-C exits 130.
     """
     reported = getattr(err, "_ddptrain_exit_code", None)
     if reported is not None:
@@ -136,7 +139,7 @@ def _exit_line(err: BaseException) -> tuple[int | None, str]:
     if isinstance(err, UserError):
         return 2, f"ddptrain: error: {one_line(err)}"
     if isinstance(err, Stopped):
-        return err.exit_code, f"ddptrain: {err}"
+        return 0, f"ddptrain: {err}"
     if isinstance(err, KeyboardInterrupt):
         return 130, "ddptrain: interrupted"
     reason = peer_lost(err) if isinstance(err, Exception) else None

@@ -79,7 +79,7 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
         # one exits, and every rank that failed should have said why by then.
         phases.ending = True
         code = report(err)
-        if not isinstance(err, Stopped):  # a stop is agreed: every rank is stopping already
+        if not (isinstance(err, Stopped) and err.agreed):  # else every rank is stopping already
             phases.abort()
         if code is not None:
             phases.end_together()

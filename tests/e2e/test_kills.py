@@ -6,7 +6,6 @@ DDPTRAIN_TEST_KILL=POINT:RANK:STEP (see ddptrain/faults.py); a marker file makes
 so the run torchrun restarts goes through.
 """
 
-import signal
 import subprocess
 import time
 
@@ -130,17 +129,18 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_then_resume_ends_bitwise_equ
     # signal, the one read before step 3 says stop: every rank saves after step 2 and exits.
     env = {"DDPTRAIN_TEST_KILL": "between:1:2", "DDPTRAIN_TEST_SIGNAL": "SIGTERM"}
     stopped = torchrun(2, *args(tiny_data, out, checkpoint_every=0), env=env)
-    assert stopped.returncode != 0
+    assert stopped.returncode == 0, stopped.stderr  # a stop that saved is not a failure
     assert "ddptrain: stopped by SIGTERM after global step 2" in stopped.stderr
     assert training_state(out)["epoch_step"] == 2
     ok(torchrun(2, *args(tiny_data, out)))
     assert_same_training(uninterrupted, out)
 
 
-def test_a_stop_signal_exits_with_128_plus_its_number(tiny_data, tmp_path):
+def test_a_stop_signal_exits_0_once_saved(tiny_data, tmp_path):
     env = {"DDPTRAIN_TEST_KILL": "between:0:2", "DDPTRAIN_TEST_SIGNAL": "SIGUSR1"}
     result = ddptrain(*args(tiny_data, tmp_path, checkpoint_every=0), env=env)
-    assert result.returncode == 128 + signal.SIGUSR1, result.stderr
+    assert result.returncode == 0, result.stderr
+    assert "ddptrain: stopped by SIGUSR1 after global step 1" in result.stderr
     assert training_state(tmp_path)["epoch_step"] == 1  # one process stops at once, before step 2
     assert "continue with --resume auto" in result.stderr
 
@@ -150,7 +150,7 @@ def test_a_stop_signal_with_nothing_to_save_leaves_every_file_as_it_was(tiny_dat
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     env = {"DDPTRAIN_TEST_KILL": "between:0:4", "DDPTRAIN_TEST_SIGNAL": "SIGTERM"}
     result = ddptrain(*args(tiny_data, tmp_path), env=env)  # signalled before its first step
-    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert result.returncode == 0, result.stderr
     assert "stopped by SIGTERM after global step 3" in result.stderr
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
@@ -164,7 +164,7 @@ def test_a_signal_to_one_rank_just_after_a_checkpoint_stops_both_together(tiny_d
     started = time.monotonic()
     result = torchrun(2, *args(tiny_data, out, checkpoint_every=0), env=env)
     assert time.monotonic() - started < 60
-    assert result.returncode != 0
+    assert result.returncode == 0, result.stderr  # torchrun: every rank exited 0
     assert result.stderr.count("ddptrain: stopped by SIGTERM after global step 4") == 2
     assert "lost contact" not in result.stderr
     assert training_state(out)["global_step"] == 4

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ddptrain.dist.env import DistEnv
-from ddptrain.errors import Stopped
+from ddptrain.errors import Stopped, report
 from ddptrain.train.preempt import StopRequests
 
 ONE_PROCESS = DistEnv(0, 1, 0, 1, torch.device("cpu"))
@@ -44,4 +44,5 @@ def test_outside_the_step_loop_with_nothing_to_save_a_signal_stops_at_once():
     # No boundary may come (a rank stalled before its first step): the launcher's stop wins.
     with pytest.raises(Stopped, match="nothing trained") as stopped, StopRequests(ONE_PROCESS):
         os.kill(os.getpid(), signal.SIGTERM)
-    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    assert not stopped.value.agreed  # the other ranks are told to end (run.train aborts them)
+    assert report(stopped.value) == 0  # it did as the launcher asked

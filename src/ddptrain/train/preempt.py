@@ -58,7 +58,8 @@ class StopRequests:
         self.received = self.received or signum
         if not self.unsaved and not self.in_step_loop:
             name = signal.Signals(signum).name
-            raise Stopped(signum, f"stopped by {name}: nothing trained since the last checkpoint")
+            message = f"stopped by {name}: nothing trained since the last checkpoint"
+            raise Stopped(signum, message, agreed=False)
 
     def report_nonfinite(self, global_step: int) -> None:
         """This rank saw a non-finite loss at global_step (read at a print step)."""
