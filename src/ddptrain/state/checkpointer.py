@@ -15,8 +15,9 @@ Model-side randomness needs no saved state: it is derived from the seed, epoch, 
 every step, as augmentation is per sample.
 """
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,7 +101,8 @@ class ModelState(Stateful):
             self._set(self._mine(state), _loading(self.sharded))
 
     def _set(self, state: dict, options: StateDictOptions) -> None:
-        set_model_state_dict(self.model, state, options=options)
+        with _buffers_beside_parameters(self.model):
+            set_model_state_dict(self.model, state, options=options)
 
     def _mine(self, state: dict) -> dict:
         """What this rank passes in: a copy (the call consumes the dict it is given); under fsdp
@@ -125,6 +127,25 @@ class OptimizerState(ModelState):
 
     def _set(self, state: dict, options: StateDictOptions) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
+
+
+@contextlib.contextmanager
+def _buffers_beside_parameters(model: nn.Module) -> Iterator[None]:
+    """Buffers on the parameters' device while inside. torch's full state dict load refuses a
+    model on two devices ("Multiple devices found"), as under --fsdp-offload on a GPU: shards in
+    host memory, buffers on the GPU. The load then broadcasts on the process group's device."""
+    homes = {p.device for p in model.parameters()}
+    moved = []
+    for module in model.modules() if len(homes) == 1 else ():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.device not in homes:
+                moved.append((module, name, buffer.device))
+                setattr(module, name, buffer.to(*homes))
+    try:
+        yield
+    finally:
+        for module, name, device in moved:
+            setattr(module, name, getattr(module, name).to(device))
 
 
 def training_parts(
