@@ -49,10 +49,18 @@ def _as_tensors(value):
     return value
 
 
+# Ranks are forked from a server process that imported these once, not spawned: a spawned
+# process spends seconds importing torch and torchvision, and the suite starts hundreds. The
+# server is a fresh interpreter (no threads, no process group), so forking it is safe. It keeps
+# the environment it started with: a test that needs other variables must spawn its ranks.
+_PRELOAD = ["torch", "torchvision", "ddptrain.run"]
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 120) -> list:
     """fn(env, *args) on each of `world` ranks; returns the results by rank. fn must be a module
-    level function (processes are spawned). A hang fails after `timeout` seconds."""
-    ctx = multiprocessing.get_context("spawn")
+    level function (processes are started afresh). A hang fails after `timeout` seconds."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
     port = free_port()
     procs = [

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -200,11 +201,19 @@ def _flat_optimizer(ckpt: dict) -> dict[str, torch.Tensor]:
     return {f"{k}.{n}": v for k, s in ckpt["optimizer"]["state"].items() for n, v in s.items()}
 
 
-def assert_same_training(a_dir, b_dir) -> None:
-    """Bitwise the same model, optimizer, schedule and progress, and the same val records."""
+def assert_same_training(a_dir, b_dir, epochs_in_b: int | None = None) -> None:
+    """Bitwise the same model, optimizer, schedule and progress, and the same val records (of the
+    last `epochs_in_b` epochs, where b_dir's run resumed another out-dir's checkpoint)."""
     a, b = training_state(a_dir), training_state(b_dir)
     assert (a["epoch"], a["global_step"]) == (b["epoch"], b["global_step"])
     assert_same_weights(a["model"], b["model"])
     assert_same_weights(_flat_optimizer(a), _flat_optimizer(b))
     assert a["scheduler"] == b["scheduler"] and a["best_acc1"] == b["best_acc1"]
-    assert val_records(a_dir) == val_records(b_dir)
+    records = val_records(a_dir)
+    assert records[-(epochs_in_b or len(records)) :] == val_records(b_dir)
+
+
+def copy_run(run: Path, to: Path) -> Path:
+    """A finished run's out-dir (conftest's one_rank_run, two_rank_run) copied to `to`, to
+    resume or change there."""
+    return Path(shutil.copytree(run, to))

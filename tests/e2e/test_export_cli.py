@@ -14,10 +14,8 @@ from ddptrain.data.synth import SynthSpec, write
 # run.py still passes only the arch to load_pretrained; these pass once it passes the file too
 # (`load_pretrained(model, config.arch, env, source=config.pretrained)`).
 @pytest.fixture(scope="module")
-def trained(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run")
-    ok(ddptrain("train", *tiny_args(tiny_data, out)))
-    return out
+def trained(one_rank_run):
+    return one_rank_run  # read only: exports go elsewhere
 
 
 @pytest.fixture(scope="module")

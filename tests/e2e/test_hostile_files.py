@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from cli import ddptrain, ok, tiny_args
+from cli import copy_run, ddptrain, ok, tiny_args
 from test_user_errors import assert_user_error, timed
 
 
@@ -103,9 +103,8 @@ def test_export_and_pretrained_never_run_a_hostile_file(tiny_data, tmp_path, com
     _nothing_ran(marker)
 
 
-def test_resume_auto_never_runs_a_planted_checkpoint(tiny_data, tmp_path):
-    out, marker = tmp_path / "out", tmp_path / "ran"
-    ok(ddptrain("train", *tiny_args(tiny_data, out)))
+def test_resume_auto_never_runs_a_planted_checkpoint(tiny_data, tmp_path, one_rank_run):
+    out, marker = copy_run(one_rank_run, tmp_path / "out"), tmp_path / "ran"
     planted = _saved_with_torch(out / "checkpoint-000000099.pt", marker)
     result = timed(
         lambda: ddptrain("train", *tiny_args(tiny_data, out), "--epochs", "2", "--resume", "auto")

@@ -71,11 +71,12 @@ def test_only_rank_zero_logs(tiny_data, tmp_path):
     assert result.stdout.count("epoch 1/1 done") == 1
 
 
-def test_eval_of_a_two_rank_checkpoint_matches_the_logged_validation(tiny_data, tmp_path):
+def test_eval_of_a_two_rank_checkpoint_matches_the_logged_validation(
+    tiny_data, tmp_path, two_rank_run
+):
     # BatchNorm statistics differ across ranks after training: the logged validation must be
     # that of the saved model (rank 0's), or evaluating the checkpoint gives other figures.
-    ok(torchrun(2, "train", *tiny_args(tiny_data, tmp_path / "train")))
-    ckpt = tmp_path / "train" / "checkpoint.pt"
+    ckpt = two_rank_run / "checkpoint.pt"
     result = ok(
         torchrun(
             2,
@@ -94,7 +95,7 @@ def test_eval_of_a_two_rank_checkpoint_matches_the_logged_validation(tiny_data, 
         )
     )
     (evaluated,) = records(tmp_path / "eval", "val")
-    (trained,) = records(tmp_path / "train", "val")
+    (trained,) = records(two_rank_run, "val")
     assert evaluated["samples"] == 15 and evaluated["epoch"] == 1
     assert evaluated["acc1"] == trained["acc1"] and evaluated["acc5"] == trained["acc5"]
     assert abs(evaluated["loss"] - trained["loss"]) < 1e-5 * max(1.0, trained["loss"])

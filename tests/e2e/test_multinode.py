@@ -20,10 +20,8 @@ from ddptrain.dist.ports import free_port
 
 
 @pytest.fixture(scope="module")
-def one_agent(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("one_agent")
-    ok(torchrun(2, "train", *tiny_args(tiny_data, out)))
-    return weights(out)
+def one_agent(two_rank_run):
+    return weights(two_rank_run)
 
 
 def run_together(commands: list[list[str]], envs: list[dict]) -> list[subprocess.CompletedProcess]:

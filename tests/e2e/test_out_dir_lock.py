@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from cli import DEADLINE, ddptrain, env_with, ok, tiny_args, torchrun
+from cli import DEADLINE, copy_run, ddptrain, env_with, ok, tiny_args, torchrun
 
 NO_WAIT = 60  # far below any wait on the first run, which never ends by itself
 
@@ -44,9 +44,8 @@ def test_a_second_run_in_a_live_runs_out_dir_fails_naming_it(tiny_data, tmp_path
     assert not (out / ".lock").exists()  # removed by the run that ended
 
 
-def test_evaluate_takes_no_lock(tiny_data, tmp_path):
-    out = tmp_path / "run"
-    ok(ddptrain("train", *tiny_args(tiny_data, out)))
+def test_evaluate_takes_no_lock(tiny_data, tmp_path, one_rank_run):
+    out = copy_run(one_rank_run, tmp_path / "run")
     (out / ".lock").write_text("")
     before = (out / ".lock").stat()
     ok(ddptrain("eval", *tiny_args(tiny_data, out), "--resume", out / "checkpoint.pt"))

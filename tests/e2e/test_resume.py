@@ -1,6 +1,15 @@
 import json
 
-from cli import BF16_CROP, assert_same_training, ddptrain, ok, tiny_args, torchrun, val_records
+from cli import (
+    BF16_CROP,
+    assert_same_training,
+    copy_run,
+    ddptrain,
+    ok,
+    tiny_args,
+    torchrun,
+    val_records,
+)
 from cli import training_state as state
 
 
@@ -22,9 +31,8 @@ def test_resume_auto_without_a_checkpoint_starts_fresh(tiny_data, tmp_path):
     assert "starting fresh" in result.stdout and state(tmp_path)["epoch"] == 1
 
 
-def test_a_two_rank_checkpoint_resumes_on_one_rank(tiny_data, tmp_path):
-    ok(torchrun(2, "train", *tiny_args(tiny_data, tmp_path / "two")))
-    checkpoint = tmp_path / "two" / "checkpoint.pt"
+def test_a_two_rank_checkpoint_resumes_on_one_rank(tiny_data, tmp_path, two_rank_run):
+    checkpoint = two_rank_run / "checkpoint.pt"
     ok(
         ddptrain(
             "train",
@@ -39,18 +47,18 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(tiny_data, tmp_path):
     assert len(val_records(tmp_path / "one")) == 1  # only epoch 2 ran here
 
 
-def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_data, tmp_path):
-    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path)))
-    ok(torchrun(2, "train", *tiny_args(tiny_data, tmp_path), "--epochs", "2", "--resume", "auto"))
-    assert state(tmp_path)["epoch"] == 2
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_data, tmp_path, one_rank_run):
+    out = copy_run(one_rank_run, tmp_path / "run")
+    ok(torchrun(2, "train", *tiny_args(tiny_data, out), "--epochs", "2", "--resume", "auto"))
+    assert state(out)["epoch"] == 2
 
 
-def test_resuming_a_finished_run_does_nothing(tiny_data, tmp_path):
-    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path)))
-    before = (tmp_path / "checkpoint.pt").read_bytes()
-    result = ok(ddptrain("train", *tiny_args(tiny_data, tmp_path), "--resume", "auto"))
+def test_resuming_a_finished_run_does_nothing(tiny_data, tmp_path, one_rank_run):
+    out = copy_run(one_rank_run, tmp_path / "run")
+    before = (out / "checkpoint.pt").read_bytes()
+    result = ok(ddptrain("train", *tiny_args(tiny_data, out), "--resume", "auto"))
     assert "nothing to train" in result.stdout
-    assert (tmp_path / "checkpoint.pt").read_bytes() == before
+    assert (out / "checkpoint.pt").read_bytes() == before
 
 
 def test_resume_keeps_the_precision_of_the_run(tiny_data, tmp_path):
@@ -66,8 +74,7 @@ def test_resume_keeps_the_precision_of_the_run(tiny_data, tmp_path):
     assert written["amp"] == "bf16" and state(tmp_path)["epoch"] == 2
 
 
-def test_loader_workers_do_not_change_the_result(tiny_data, tmp_path):
+def test_loader_workers_do_not_change_the_result(tiny_data, tmp_path, one_rank_run):
     """Each sample's augmentation comes from its own seed, not from a worker's generator."""
-    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path / "j0")))
     ok(ddptrain("train", *tiny_args(tiny_data, tmp_path / "j2"), "-j", "2"))
-    assert_same_training(tmp_path / "j0", tmp_path / "j2")
+    assert_same_training(one_rank_run, tmp_path / "j2")  # tiny_args' -j 0

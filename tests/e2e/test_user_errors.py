@@ -4,7 +4,7 @@ import shutil
 import time
 
 import pytest
-from cli import ddptrain, ok, tcp_pair, tiny_args, torchrun
+from cli import copy_run, ddptrain, ok, tcp_pair, tiny_args, torchrun
 
 DEADLINE = 60
 
@@ -72,31 +72,31 @@ def test_bad_flag_value(tiny_data, tmp_path):
     assert_user_error(timed(lambda: ddptrain("train", tiny_data, "-b", "many")), "-b")
 
 
-def test_resume_with_another_arch_leaves_the_run_untouched(tiny_data, tmp_path):
-    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path)))
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+def test_resume_with_another_arch_leaves_the_run_untouched(tiny_data, tmp_path, one_rank_run):
+    out = copy_run(one_rank_run, tmp_path / "run")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     result = timed(
         lambda: ddptrain(
             "train",
-            *tiny_args(tiny_data, tmp_path),
+            *tiny_args(tiny_data, out),
             "-a",
             "resnet34",
             "--resume",
-            tmp_path / "checkpoint.pt",
+            out / "checkpoint.pt",
             "--epochs",
             "2",
         )
     )
     assert_user_error(result, "checkpoint.pt", "resnet18", "resnet34")
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-def test_resume_with_other_classes(data, tiny_data, tmp_path):
-    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path)))
+def test_resume_with_other_classes(data, tmp_path, one_rank_run):
+    out = copy_run(one_rank_run, tmp_path / "run")  # trained on tiny_data, as `data` was
     for split in ("train", "val"):
         (data / split / "bar").rename(data / split / "box")
     result = timed(
-        lambda: ddptrain("train", *tiny_args(data, tmp_path), "--resume", "auto", "--epochs", "2")
+        lambda: ddptrain("train", *tiny_args(data, out), "--resume", "auto", "--epochs", "2")
     )
     assert_user_error(result, "checkpoint-000000003.pt", "classes")  # the one auto chose
 
@@ -165,12 +165,12 @@ def test_pretrained_weights_that_cannot_be_had_offline(tiny_data, tmp_path):
     assert_user_error(result, "--pretrained", "resnet18", "offline")
 
 
-def test_a_fresh_run_does_not_overwrite_an_earlier_one(tiny_data, tmp_path):
-    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path)))
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    result = timed(lambda: ddptrain("train", *tiny_args(tiny_data, tmp_path)))
-    assert_user_error(result, str(tmp_path), "--resume auto")
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+def test_a_fresh_run_does_not_overwrite_an_earlier_one(tiny_data, tmp_path, one_rank_run):
+    out = copy_run(one_rank_run, tmp_path / "run")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    result = timed(lambda: ddptrain("train", *tiny_args(tiny_data, out)))
+    assert_user_error(result, str(out), "--resume auto")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_unwritable_out_dir(tiny_data, tmp_path):

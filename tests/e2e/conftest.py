@@ -1,0 +1,24 @@
+"""Finished runs that several tests start from, each trained once per session.
+
+Read one in place, or `copy_run` it into the test's own folder to train on or change it: a
+test never writes into these.
+"""
+
+import pytest
+from cli import ddptrain, ok, tiny_args, torchrun
+
+
+@pytest.fixture(scope="session")
+def one_rank_run(tiny_data, tmp_path_factory):
+    """`ddptrain train` on one process: one epoch of tiny_args."""
+    out = tmp_path_factory.mktemp("one-rank-run") / "run"
+    ok(ddptrain("train", *tiny_args(tiny_data, out)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tiny_data, tmp_path_factory):
+    """The same under torchrun on 2 ranks."""
+    out = tmp_path_factory.mktemp("two-rank-run") / "run"
+    ok(torchrun(2, "train", *tiny_args(tiny_data, out)))
+    return out
