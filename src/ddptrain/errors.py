@@ -41,18 +41,24 @@ def format_bytes(count: float) -> str:
 
 
 class Stopped(Exception):
-    """Every rank stopped on a signal (preemption) after saving a checkpoint to resume from.
+    """A stop on a signal (preemption).
 
-    It exits 0: the run did what the signal asked, and nothing trained is lost. A non-zero code
-    would make `torchrun --max-restarts` start the group again, resuming what was to stop.
+    Agreed: every rank stopped at the same step and saved what it had trained. It exits 0: the
+    run did what the signal asked and lost nothing; a non-zero code would make `torchrun
+    --max-restarts` start the group again, resuming what was to stop. Not agreed: this rank
+    alone, signalled before its first step or while only evaluating, where no step boundary
+    comes; the others must be told to end, and it exits 128 + the signal's number, the shell's
+    code for "ended by this signal" (nothing was saved: there was nothing to save).
     """
 
     def __init__(self, signum: int, message: str, agreed: bool = True):
         super().__init__(message)
         self.signum = signum
-        # False for a rank stopped alone (signalled while setting up, before any step boundary
-        # where ranks agree): the others must be told to end.
         self.agreed = agreed
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.agreed else 128 + self.signum
 
 
 def first_line(err: BaseException) -> str:
@@ -116,7 +122,8 @@ def report(err: BaseException) -> int | None:
     for anything else. Prints once per error, however many callers report it.
 
     User mistakes exit 2 (like argparse); a lost peer exits 1; a stop on SIGTERM or SIGUSR1
-    exits 0 once the checkpoint is saved; Ctrl-C exits 130.
+    exits 0 once every rank saved, 128 + the signal's number for a rank stopped alone (see
+    Stopped); Ctrl-C exits 130.
     """
     reported = getattr(err, "_ddptrain_exit_code", None)
     if reported is not None:
@@ -139,7 +146,7 @@ def _exit_line(err: BaseException) -> tuple[int | None, str]:
     if isinstance(err, UserError):
         return 2, f"ddptrain: error: {one_line(err)}"
     if isinstance(err, Stopped):
-        return 0, f"ddptrain: {err}"
+        return err.exit_code, f"ddptrain: {err}"
     if isinstance(err, KeyboardInterrupt):
         return 130, "ddptrain: interrupted"
     reason = peer_lost(err) if isinstance(err, Exception) else None

@@ -30,8 +30,8 @@ class StopRequests:
         self.received = 0  # the signal number this rank got, 0 for none
         # Steps trained since the last checkpoint (set by the trainer): what a stop saves.
         self.unsaved = False
-        # Inside the step loop (set by the trainer): a step boundary, where ranks agree, is
-        # at most a step away.
+        # From the trainer's first step loop to the end of fit: a step boundary, where ranks
+        # agree, or the run's end is at most a step, an evaluation or a checkpoint away.
         self.in_step_loop = False
         # The first global step with a non-finite loss that any rank saw (0: none), as of the
         # previous boundary: `report_nonfinite` rides the same all-reduce as the signals.
@@ -53,8 +53,9 @@ class StopRequests:
 
     def _on_signal(self, signum: int, frame) -> None:
         # In the step loop, never an exit of this rank alone: the next boundary's agreement
-        # stops every rank. Outside it with nothing to save (setting up, or stalled before the
-        # first step), no boundary may come: end this rank now, as the launcher asked.
+        # stops every rank (in the last epoch's evaluation, the run ends first). Outside it
+        # with nothing to save (setting up, stalled before the first step, or only evaluating),
+        # no boundary may come: end this rank now, as the launcher asked.
         self.received = self.received or signum
         if not self.unsaved and not self.in_step_loop:
             name = signal.Signals(signum).name

@@ -217,7 +217,6 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
         if every and state.global_step % every == 0 and step < steps:
             state.train_sums = _finite(run, state, sums.totals(env) + carried)
             save(run, state)
-    run.stop.in_step_loop = False
     reporter.end_epoch()
     elapsed = time.perf_counter() - start
     new = _finite(run, state, sums.totals(env))
@@ -328,4 +327,5 @@ def fit(run: Run, state: TrainState) -> TrainState:
             f"trained in {time.perf_counter() - start:.0f} s: val acc1 {val['acc1']:.2f} "
             f"(best {state.best_acc1:.2f}); checkpoints in {config.out_dir}"
         )
+    run.stop.in_step_loop = False  # set by the first epoch's step loop (train_epoch)
     return state
