@@ -113,12 +113,17 @@ else
     torchrun_check fsdp-2-offload 2 "${TWO[@]}" --strategy fsdp --fsdp-offload
     # Its resume: torch's full state dict load refuses a model on two devices, which
     # checkpointer.py works around by moving the buffers beside the shards for the load.
-    echo "== $ARCH, fsdp-2-offload resumed for a 4th epoch"
-    if ! timeout 100 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
-        -m ddptrain train "$DATA" "${TWO[@]}" --strategy fsdp --fsdp-offload --epochs 4 -p 5 \
-        --resume auto --out-dir "$OUT/fsdp-2-offload"; then
-        echo "RESULT fsdp-2-offload resume: FAILED"
-        FAILED=1
+    if [ -f "$OUT/fsdp-2-offload/checkpoint.pt" ]; then
+        echo "== $ARCH, fsdp-2-offload resumed for a 4th epoch"
+        if timeout 100 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+            -m ddptrain train "$DATA" "${TWO[@]}" --strategy fsdp --fsdp-offload --epochs 4 \
+            -p 5 --resume auto --out-dir "$OUT/fsdp-2-offload" | tee "$OUT/resume.log" &&
+            grep -q "resumed from" "$OUT/resume.log"; then
+            echo "RESULT fsdp-2-offload resume: ok"
+        else
+            echo "RESULT fsdp-2-offload resume: FAILED"
+            FAILED=1
+        fi
     fi
 fi
 echo "== done in $SECONDS s"

@@ -101,7 +101,8 @@ class ModelState(Stateful):
             self._set(self._mine(state), _loading(self.sharded))
 
     def _set(self, state: dict, options: StateDictOptions) -> None:
-        with _buffers_beside_parameters(self.model):
+        full = options.full_state_dict or options.broadcast_from_rank0
+        with _buffers_beside_parameters(self.model) if full else contextlib.nullcontext():
             set_model_state_dict(self.model, state, options=options)
 
     def _mine(self, state: dict) -> dict:
@@ -133,7 +134,8 @@ class OptimizerState(ModelState):
 def _buffers_beside_parameters(model: nn.Module) -> Iterator[None]:
     """Buffers on the parameters' device while inside. torch's full state dict load refuses a
     model on two devices ("Multiple devices found"), as under --fsdp-offload on a GPU: shards in
-    host memory, buffers on the GPU. The load then broadcasts on the process group's device."""
+    host memory, buffers on the GPU. The load then broadcasts on the process group's device.
+    (A sharded load makes no such check.)"""
     homes = {p.device for p in model.parameters()}
     moved = []
     for module in model.modules() if len(homes) == 1 else ():
