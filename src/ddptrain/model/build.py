@@ -17,6 +17,17 @@ from ddptrain.errors import UserError, first_line
 from ddptrain.state.files import load as load_checkpoint
 from ddptrain.state.files import safe_load
 
+
+class CropError(UserError):
+    """The architecture does not run on crops of this size; `reason` is the model's own word."""
+
+    def __init__(self, arch: str, image_size: int, reason: str):
+        super().__init__(
+            f"--arch {arch} does not run on {image_size} px crops (--image-size): {reason}"
+        )
+        self.reason = reason
+
+
 # These take their pretrained weights with ImageNet's input transform built in.
 TRANSFORM_INPUT = ("googlenet", "inception_v3")
 
@@ -43,9 +54,7 @@ def build_model(
     try:
         model = _structure(arch, meta, num_classes=num_classes, **extra)
     except AssertionError as err:  # a ViT for crops its patches do not divide
-        raise UserError(
-            f"--arch {arch} does not run on {image_size} px crops (--image-size): {first_line(err)}"
-        ) from None
+        raise CropError(arch, image_size, first_line(err)) from None
     if next(model.parameters()).is_meta:
         return model
     # A no-grad forward changes only buffers (BatchNorm statistics): keep those, not the weights.
@@ -54,9 +63,7 @@ def build_model(
         with torch.no_grad():
             model(torch.zeros(2, 3, image_size, image_size))
     except (RuntimeError, AssertionError, ValueError) as err:
-        raise UserError(
-            f"--arch {arch} does not run on {image_size} px crops (--image-size): {first_line(err)}"
-        ) from None
+        raise CropError(arch, image_size, first_line(err)) from None
     with torch.no_grad():
         for buffer, saved in zip(model.buffers(), as_built, strict=True):
             buffer.copy_(saved)

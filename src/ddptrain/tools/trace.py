@@ -43,8 +43,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ddptrain.config import Config
-from ddptrain.errors import UserError, first_line
-from ddptrain.model.build import build_model
+from ddptrain.errors import first_line
+from ddptrain.model.build import CropError, build_model
 from ddptrain.model.fsdp import shard
 from ddptrain.model.precision import DTYPES, Precision
 from ddptrain.train.optim import build_optimizer
@@ -70,9 +70,8 @@ def _meta_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
     meta."""
     try:
         model = build_model(arch, num_classes, image_size, pretrained=False, meta=True)
-    except UserError as err:  # a ViT whose patches do not divide the crops
-        reason = str(err).rsplit(": ", 1)[-1]  # after build_model's own naming of the flags
-        raise ModelError(f"it does not run on {image_size} px crops: {reason}") from None
+    except CropError as err:  # a ViT whose patches do not divide the crops
+        raise ModelError(f"it does not run on {image_size} px crops: {err.reason}") from None
     return model.to("meta")
 
 
