@@ -10,12 +10,18 @@ from ddptrain.data.synth import SynthSpec, write  # noqa: E402
 TINY = SynthSpec(classes=3, train_per_class=8, val_per_class=5, size=24, seed=0)
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path_factory, monkeypatch):
-    """The built-in dataset and torch hub never touch the user's real cache."""
+@pytest.fixture(scope="session")
+def cache_env(tmp_path_factory) -> dict[str, str]:
+    """The caches of this session's runs: the built-in dataset and torch hub never touch the
+    user's real cache."""
     cache = tmp_path_factory.getbasetemp() / "xdg-cache"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    monkeypatch.setenv("TORCH_HOME", str(cache / "torch"))
+    return {"XDG_CACHE_HOME": str(cache), "TORCH_HOME": str(cache / "torch")}
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(cache_env, monkeypatch):
+    for name, value in cache_env.items():
+        monkeypatch.setenv(name, value)
 
 
 @pytest.fixture(scope="session")

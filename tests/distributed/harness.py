@@ -1,8 +1,12 @@
 """Runs a function on N real processes joined in a gloo process group, with a deadline."""
 
 import multiprocessing
+import os
 import queue
+import shutil
+import tempfile
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -11,7 +15,12 @@ from ddptrain.dist.env import DistEnv
 from ddptrain.dist.ports import free_port
 
 
-def _entry(fn, rank, world, port, results, args):
+def _entry(fn, rank, world, port, results, args, log):
+    # A forked rank's stdout and stderr would be the forkserver's, which are those of the test
+    # that started it: each rank writes into its own file, shown when the ranks fail.
+    with open(log, "wb") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
     torch.set_num_threads(1)
     try:
         if world > 1:
@@ -52,7 +61,7 @@ def _as_tensors(value):
 # Ranks are forked from a server process that imported these once, not spawned: a spawned
 # process spends seconds importing torch and torchvision, and the suite starts hundreds. The
 # server is a fresh interpreter (no threads, no process group), so forking it is safe. It keeps
-# the environment it started with: a test that needs other variables must spawn its ranks.
+# the environment it started with: the session's (no test here sets variables of its own).
 _PRELOAD = ["torch", "torchvision", "ddptrain.run"]
 
 
@@ -63,8 +72,10 @@ def run_ranks(fn, world: int, *args, timeout: float = 120) -> list:
     ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
     port = free_port()
+    logs = Path(tempfile.mkdtemp(prefix="ranks-"))
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, port, results, args)) for r in range(world)
+        ctx.Process(target=_entry, args=(fn, r, world, port, results, args, logs / f"rank{r}.log"))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -73,13 +84,22 @@ def run_ranks(fn, world: int, *args, timeout: float = 120) -> list:
         for _ in range(world):
             rank, value, error = results.get(timeout=timeout)
             if error:
-                raise AssertionError(f"rank {rank} failed:\n{error}")
+                raise AssertionError(f"rank {rank} failed:\n{error}{_output(logs)}")
             collected[rank] = _as_tensors(value)
     except queue.Empty:
-        raise AssertionError(f"ranks did not finish within {timeout} s") from None
+        raise AssertionError(f"ranks did not finish within {timeout} s{_output(logs)}") from None
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(logs, ignore_errors=True)
     return [collected[r] for r in range(world)]
+
+
+def _output(logs: Path, tail: int = 3000) -> str:
+    """What each rank printed (its last `tail` characters)."""
+    return "".join(
+        f"\n--- output of {log.stem} ---\n{log.read_text(errors='replace')[-tail:]}"
+        for log in sorted(logs.glob("rank*.log"))
+    )

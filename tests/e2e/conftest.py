@@ -9,16 +9,16 @@ from cli import ddptrain, ok, tiny_args, torchrun
 
 
 @pytest.fixture(scope="session")
-def one_rank_run(tiny_data, tmp_path_factory):
+def one_rank_run(tiny_data, tmp_path_factory, cache_env):
     """`ddptrain train` on one process: one epoch of tiny_args."""
     out = tmp_path_factory.mktemp("one-rank-run") / "run"
-    ok(ddptrain("train", *tiny_args(tiny_data, out)))
+    ok(ddptrain("train", *tiny_args(tiny_data, out), env=cache_env))
     return out
 
 
 @pytest.fixture(scope="session")
-def two_rank_run(tiny_data, tmp_path_factory):
+def two_rank_run(tiny_data, tmp_path_factory, cache_env):
     """The same under torchrun on 2 ranks."""
     out = tmp_path_factory.mktemp("two-rank-run") / "run"
-    ok(torchrun(2, "train", *tiny_args(tiny_data, out)))
+    ok(torchrun(2, "train", *tiny_args(tiny_data, out), env=cache_env))
     return out
