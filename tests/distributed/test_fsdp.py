@@ -128,7 +128,7 @@ def built_and_sharded(env):
         model = wrap(model, env, strategy="fsdp", arch="resnet18")
     peaks = tracker.get_tracker_snapshot("peak").items()
     peak = sum(per_device["Total"] for device, per_device in peaks if device.type != "meta")
-    buffers = torch.cat([b.float().flatten() for b in model.buffers()])
+    buffers = flat(dict(model.named_buffers()))
     full = ModelState(model, env, sharded=True).state_dict()  # gathered on rank 0
     gathered = flat(full) if env.is_main else None
     return peak, buffers, gathered

@@ -21,7 +21,7 @@ def test_powersgd_state_is_checkpointed_and_resumed_bitwise(tiny_data, tmp_path)
     assert len(saved["errors_by_rank"]) == 2 and saved["q_memory"] and saved["layouts"]
     for step in (3, 4):  # no hook flags: the checkpoint's settings bring the hook back
         out = tmp_path / f"from-{step}"
-        resume = ("--epochs", "2", "--resume", whole / f"checkpoint-00000000{step}.pt")
+        resume = ("--epochs", "2", "--resume", whole / f"checkpoint-{step:09d}.pt")
         ok(torchrun(2, "train", *tiny_args(tiny_data, out), *resume))
         assert state(out)["powersgd"]["iter"] == state(out)["global_step"] == 6
         assert state(out)["config"]["ddp_comm_hook"] == "powersgd"

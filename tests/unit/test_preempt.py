@@ -25,7 +25,7 @@ def test_in_the_step_loop_a_signal_with_nothing_to_save_waits_for_the_agreement(
     # A rank in the step loop never exits alone: with nothing trained since the last
     # checkpoint, the stop comes at the next boundary's agreement, as for every other rank.
     with StopRequests(ONE_PROCESS) as stop:
-        stop.in_step_loop = True
+        stop.agreeing = True
         assert not stop.unsaved
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.received == signal.SIGTERM

@@ -30,9 +30,10 @@ class StopRequests:
         self.received = 0  # the signal number this rank got, 0 for none
         # Steps trained since the last checkpoint (set by the trainer): what a stop saves.
         self.unsaved = False
-        # From the trainer's first step loop to the end of fit: a step boundary, where ranks
-        # agree, or the run's end is at most a step, an evaluation or a checkpoint away.
-        self.in_step_loop = False
+        # Ranks agree on stops (set by the trainer from its first step loop to the end of fit):
+        # a step boundary, where they agree, or the run's end is at most a step, an evaluation
+        # or a checkpoint away.
+        self.agreeing = False
         # The first global step with a non-finite loss that any rank saw (0: none), as of the
         # previous boundary: `report_nonfinite` rides the same all-reduce as the signals.
         self.nonfinite_step = 0
@@ -52,12 +53,12 @@ class StopRequests:
             self._pending[0].wait()  # leave no collective in flight behind a finished run
 
     def _on_signal(self, signum: int, frame) -> None:
-        # In the step loop, never an exit of this rank alone: the next boundary's agreement
-        # stops every rank (in the last epoch's evaluation, the run ends first). Outside it
+        # While ranks agree, never an exit of this rank alone: the next boundary's agreement
+        # stops every rank (in the last epoch's evaluation, the run ends first). Otherwise,
         # with nothing to save (setting up, stalled before the first step, or only evaluating),
         # no boundary may come: end this rank now, as the launcher asked.
         self.received = self.received or signum
-        if not self.unsaved and not self.in_step_loop:
+        if not self.unsaved and not self.agreeing:
             name = signal.Signals(signum).name
             message = f"stopped by {name}: nothing trained since the last checkpoint"
             raise Stopped(signum, message, agreed=False)

@@ -166,7 +166,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
     reporter.begin_epoch(epoch, config.epochs, first, steps)
     run.mark("data fetch", state.global_step + 1)
     faults.maybe_stall(env.rank)
-    run.stop.in_step_loop = True
+    run.stop.agreeing = True
     for step in range(first + 1, steps + 1):
         faults.kill_point("between", state.global_step + 1)
         run.mark("step agreement", state.global_step + 1)
@@ -327,5 +327,5 @@ def fit(run: Run, state: TrainState) -> TrainState:
             f"trained in {time.perf_counter() - start:.0f} s: val acc1 {val['acc1']:.2f} "
             f"(best {state.best_acc1:.2f}); checkpoints in {config.out_dir}"
         )
-    run.stop.in_step_loop = False  # set by the first epoch's step loop (train_epoch)
+    run.stop.agreeing = False  # set by the first epoch's step loop (train_epoch)
     return state
