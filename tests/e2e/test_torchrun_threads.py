@@ -1,30 +1,38 @@
 """Under torchrun, a rank tells torchrun's OMP_NUM_THREADS=1 default from the user's."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from cli import DEADLINE
 
+# Each rank writes its answer to its own file: the ranks share torchrun's stdout, where two
+# unbuffered prints can interleave ("defaultdefault\n\n").
 PROBE = """
-import os
+import os, sys
+from pathlib import Path
 from ddptrain.dist.threads import _launcher_env, user_set_threads
-print("user" if user_set_threads(os.environ, _launcher_env()) else "default")
+answer = "user" if user_set_threads(os.environ, _launcher_env()) else "default"
+Path(sys.argv[1], "rank" + os.environ["RANK"]).write_text(answer)
 """
 
 
 def _torchrun(probe: Path, env: dict) -> list[str]:
+    answers = probe.parent / "answers"
+    shutil.rmtree(answers, ignore_errors=True)
+    answers.mkdir()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    out = subprocess.run(
-        [*torchrun, str(probe)],
+    subprocess.run(
+        [*torchrun, str(probe), str(answers)],
         env={**env, "PYTHONWARNINGS": "ignore"},
         capture_output=True,
         text=True,
         timeout=DEADLINE,
         check=True,
     )
-    return sorted(out.stdout.split())
+    return [(answers / f"rank{rank}").read_text() for rank in (0, 1)]
 
 
 def test_torchrun_default_and_user_setting(tmp_path):
