@@ -197,7 +197,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
             if config.evaluate:
                 return _evaluate_only(run, state)
             reporter.start(summary)
-            if env.is_main and env.device.type == "cuda":
+            if env.is_main:
                 reporter.info(_plan(config, env, loaders.num_classes, precision.amp))
             return trainer.fit(run, state)
         finally:
@@ -221,11 +221,14 @@ def _profiler(config: Config, env: DistEnv, out_dir: Path) -> StepProfiler | Non
 
 
 def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
-    """The planner's line for this run on its device: whether it fits, and if not, what would
-    (a traced step on fake tensors, seconds). Only on CUDA, where the device's memory is known."""
+    """The planner's line for this run: its strategy's per-rank memory, and on CUDA, where the
+    device's memory is known, whether it fits and if not, what would (a traced step on fake
+    tensors: seconds, once per model and batch, as traces are kept in the user cache)."""
     from ddptrain.tools.plan import plan_line
 
-    memory = torch.cuda.get_device_properties(env.device.index).total_memory
+    memory = None
+    if env.device.type == "cuda":
+        memory = torch.cuda.get_device_properties(env.device.index).total_memory
     try:
         return plan_line(
             config.arch,

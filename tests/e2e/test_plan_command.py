@@ -1,12 +1,13 @@
 """`ddptrain plan` in a subprocess, against a measured DDP step on real CPU tensors."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from cli import ddptrain, env_with, ok
+from cli import ddptrain, env_with, ok, tiny_args
 
 REAL_STEP = Path(__file__).with_name("real_step.py")
 MODEL = dict(arch="resnet18", per_rank_batch=4, image_size=32, num_classes=10)
@@ -60,3 +61,19 @@ def test_plan_reports_a_model_that_cannot_take_the_crop_in_one_line(arch, size):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"ddptrain: error: --arch {arch}"), lines
     assert f"{size} px" in lines[0] and "Traceback" not in result.stderr
+
+
+def test_a_run_prints_its_plan_line_at_start_from_a_trace_it_keeps(tiny_data, tmp_path):
+    cache = tmp_path / "cache"
+    env = env_with(XDG_CACHE_HOME=str(cache))
+    first = ok(ddptrain("train", *tiny_args(tiny_data, tmp_path / "a"), env=env)).stdout
+    line = r"plan: ddp, 8 per rank: peak [\d.]+ MiB per rank \(model state [\d.]+ MiB, activations"
+    assert re.search(line, first), first
+    assert "fits" not in first  # a CPU's share of host memory is not known: no verdict
+    (kept,) = (cache / "ddptrain" / "plans").iterdir()
+    # The next run of the same model and batch reads the kept trace instead of tracing again.
+    figures = json.loads(kept.read_text())
+    figures["ddp"]["peak"] = 7 * 2**30
+    kept.write_text(json.dumps(figures))
+    second = ok(ddptrain("train", *tiny_args(tiny_data, tmp_path / "b"), env=env)).stdout
+    assert "plan: ddp, 8 per rank: peak 7.00 GiB per rank" in second

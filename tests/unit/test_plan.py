@@ -179,3 +179,25 @@ def test_plan_line_names_the_batch_that_would_fit(traces):
 
 def test_plan_line_when_nothing_fits(traces):
     assert "not even at 1 image per rank" in plan_line("fsdp", 300 * MiB)
+
+
+def test_a_trace_is_kept_and_a_damaged_kept_file_is_traced_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    children = []
+
+    def trace_in_child(request):
+        children.append(request)
+        return {
+            s: figures(s, request["world_size"], request["per_rank_batch"])
+            for s in request["strategies"]
+        }
+
+    monkeypatch.setattr(planner, "_trace_in_child", trace_in_child)
+    args = ("resnet50", 1000, 2, 4, 224, "none")
+    first = planner.trace(*args, strategies=("ddp",))
+    assert planner.trace(*args, strategies=("ddp",)) == first and len(children) == 1
+    assert planner.trace(*args[:3], 8, *args[4:], strategies=("ddp",)) != first
+    assert len(children) == 2  # another batch is another trace
+    for kept in (tmp_path / "ddptrain" / "plans").iterdir():
+        kept.write_text("{torn")
+    assert planner.trace(*args, strategies=("ddp",)) == first and len(children) == 3

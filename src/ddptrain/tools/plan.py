@@ -6,6 +6,9 @@ in a child process so that its fake process group never meets a real run. `plan_
 starting run its own strategy's line, and on a device too small, the strategy or batch that fits.
 """
 
+import contextlib
+import hashlib
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -16,7 +19,9 @@ from pathlib import Path
 
 import ddptrain
 from ddptrain.config import Config
+from ddptrain.data.synth import cache_dir
 from ddptrain.errors import UserError
+from ddptrain.state.files import atomic_write
 
 STRATEGIES = ("ddp", "fsdp")
 GiB = 2**30
@@ -74,11 +79,37 @@ def trace(
     strategies: tuple[str, ...] = STRATEGIES,
 ) -> dict[str, dict]:
     """Per-rank bytes of one training step under each strategy (see tools/trace.py), traced in a
-    child process."""
+    child process, or as this same code traced the same request before (every starting run
+    asks, and a trace takes seconds)."""
     request = dict(
         arch=arch, num_classes=num_classes, world_size=world_size, image_size=image_size,
         per_rank_batch=per_rank_batch, amp=amp, strategies=list(strategies),
     )  # fmt: skip
+    remembered = _remembered_file(request)
+    with contextlib.suppress(OSError, ValueError):
+        result = json.loads(remembered.read_text())
+        if isinstance(result, dict) and set(result) == set(strategies):
+            return result
+    result = _trace_in_child(request)
+    # A cache that cannot be written costs the next run a trace, nothing more.
+    with contextlib.suppress(OSError):
+        remembered.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(remembered, json.dumps(result).encode())
+    return result
+
+
+def _remembered_file(request: dict) -> Path:
+    """Where a trace of `request` is kept: named by the request, torch's and torchvision's
+    versions and this package's source, any change to which traces again."""
+    key = hashlib.sha256(json.dumps(request, sort_keys=True).encode())
+    for package in ("torch", "torchvision"):
+        key.update(importlib.metadata.version(package).encode())
+    for source in sorted(Path(ddptrain.__file__).parent.rglob("*.py")):
+        key.update(source.read_bytes())
+    return cache_dir() / "plans" / f"{key.hexdigest()[:32]}.json"
+
+
+def _trace_in_child(request: dict) -> dict[str, dict]:
     with tempfile.TemporaryDirectory(prefix="ddptrain-plan-") as folder:
         reply = Path(folder) / "reply.json"  # not stdout, where a library may print too
         command = [sys.executable, "-m", "ddptrain.tools.trace", json.dumps(request), str(reply)]
@@ -87,7 +118,7 @@ def trace(
         )
         result = json.loads(reply.read_text()) if reply.is_file() else {}
     if "error" in result:
-        raise UserError(f"--arch {arch}: {result['error']}")
+        raise UserError(f"--arch {request['arch']}: {result['error']}")
     if done.returncode != 0 or not result:
         raise RuntimeError(f"the memory trace failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return result
