@@ -67,8 +67,8 @@ class PairwiseReduceScatter(_PlainAllocation):
         inbox = input_tensor.new_empty((len(others), output_tensor.numel()))
         received = dict(zip(others, inbox, strict=True))
         _exchange(group, chunks, received)
-        output_tensor.copy_(chunks[me])
-        for peer in others:
+        torch.add(chunks[me], received[others[0]], out=output_tensor)  # one pass, not copy + add
+        for peer in others[1:]:
             output_tensor.add_(received[peer])
         if average:
             output_tensor.div_(ranks)
