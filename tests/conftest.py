@@ -18,10 +18,13 @@ def cache_env(tmp_path_factory) -> dict[str, str]:
     return {"XDG_CACHE_HOME": str(cache), "TORCH_HOME": str(cache / "torch")}
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cache(cache_env, monkeypatch):
-    for name, value in cache_env.items():
-        monkeypatch.setenv(name, value)
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(cache_env):
+    """For the whole session, module fixtures included (they start before a test's own)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in cache_env.items():
+            patch.setenv(name, value)
+        yield
 
 
 @pytest.fixture(scope="session")

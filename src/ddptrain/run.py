@@ -230,7 +230,7 @@ def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
     if env.device.type == "cuda":
         memory = torch.cuda.get_device_properties(env.device.index).total_memory
     try:
-        return plan_line(
+        line = plan_line(
             config.arch,
             num_classes,
             env.world_size,
@@ -239,9 +239,26 @@ def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
             amp,
             config.strategy,
             memory,
+            # The other ranks wait for rank 0 in their first collective, for --dist-timeout.
+            seconds=config.dist_timeout / 2,
         )
     except Exception as err:  # planning is advice: a model it cannot trace still trains
         return f"plan: not available ({first_line(err)})"
+    untraced = _untraced(config)
+    return f"{line}; not counted: {', '.join(untraced)}" if untraced else line
+
+
+def _untraced(config: Config) -> list[str]:
+    """The run's flags that change its memory, which the planner's step (SGD with momentum,
+    the whole per-rank batch at once, fsdp's defaults) leaves out."""
+    flags = {
+        "--opt adamw": config.opt == "adamw",
+        "--model-ema": config.model_ema,
+        f"--accum-steps {config.accum_steps}": config.accum_steps > 1,
+        "--fsdp-offload": config.fsdp_offload,
+        "--no-reshard-after-forward": not config.reshard_after_forward,
+    }
+    return [flag for flag, set_ in flags.items() if set_]
 
 
 def _restore(checkpointer, saved, scheduler, config: Config, steps_per_epoch: int) -> TrainState:

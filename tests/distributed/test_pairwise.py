@@ -4,6 +4,7 @@ own collectives give, on real gloo ranks."""
 import pytest
 import torch
 import torch.distributed as dist
+import torchvision
 from harness import run_ranks
 
 from ddptrain.dist.pairwise import PairwiseAllGather, PairwiseReduceScatter
@@ -48,3 +49,54 @@ def test_pairwise_collectives_match_gloos(world, dtype):
         tolerance = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         for name in ("sum", "avg"):
             torch.testing.assert_close(results[name], results[f"{name} gloo"], **tolerance)
+
+
+def pairs_of_a_subgroup(env):
+    """Ranks 1 and 2 of 3 gather over a group of their own, where their ranks are 0 and 1."""
+    group = dist.new_group([1, 2])  # every rank joins the call
+    if env.rank == 0:
+        return None
+    shard = torch.full((SHARD,), float(env.rank))
+    gathered = torch.empty(2 * SHARD)
+    PairwiseAllGather()(gathered, shard, group)
+    summed = torch.empty(SHARD)
+    PairwiseReduceScatter()(summed, torch.arange(2.0 * SHARD), group, dist.ReduceOp.SUM)
+    return gathered, summed
+
+
+def test_pairwise_collectives_address_ranks_within_their_group():
+    _, one, two = run_ranks(pairs_of_a_subgroup, 3, timeout=60)
+    expected = torch.tensor([1.0] * SHARD + [2.0] * SHARD)
+    assert torch.equal(one[0], expected) and torch.equal(two[0], expected)
+    assert torch.equal(one[1], 2 * torch.arange(0.0, SHARD))
+    assert torch.equal(two[1], 2 * torch.arange(float(SHARD), 2.0 * SHARD))
+
+
+def count_fsdp_collectives(env):
+    """How often fsdp's step went through the pairwise collectives on this gloo group."""
+    from ddptrain.dist import pairwise
+    from ddptrain.model.fsdp import shard
+
+    classes = {
+        "all_gather": pairwise.PairwiseAllGather,
+        "reduce_scatter": pairwise.PairwiseReduceScatter,
+    }
+    calls = dict.fromkeys(classes, 0)
+    for name, cls in classes.items():
+        original = cls.__call__
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        cls.__call__ = counted
+    torch.manual_seed(0)
+    model = shard(torchvision.models.resnet18(num_classes=3), "resnet18")
+    model(torch.randn(2, 3, 16, 16)).sum().backward()
+    return [calls["all_gather"], calls["reduce_scatter"]]
+
+
+def test_fsdp_on_a_cpu_gloo_group_takes_the_pairwise_collectives():
+    for all_gathers, reduce_scatters in run_ranks(count_fsdp_collectives, 2, timeout=60):
+        # resnet18: 8 blocks and the root; the blocks gather again in backward.
+        assert all_gathers == 17 and reduce_scatters == 9

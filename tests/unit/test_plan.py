@@ -37,7 +37,9 @@ def traces(monkeypatch):
     """Stands in for the traced child process; records each call's per-rank batch."""
     calls = []
 
-    def trace(arch, num_classes, world_size, per_rank_batch, image_size, amp, strategies):
+    def trace(
+        arch, num_classes, world_size, per_rank_batch, image_size, amp, strategies, deadline=None
+    ):
         calls.append((tuple(strategies), per_rank_batch))
         return {s: figures(s, world_size, per_rank_batch) for s in strategies}
 
@@ -185,7 +187,7 @@ def test_a_trace_is_kept_and_a_damaged_kept_file_is_traced_again(monkeypatch, tm
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     children = []
 
-    def trace_in_child(request):
+    def trace_in_child(request, deadline):
         children.append(request)
         return {
             s: figures(s, request["world_size"], request["per_rank_batch"])
@@ -198,6 +200,26 @@ def test_a_trace_is_kept_and_a_damaged_kept_file_is_traced_again(monkeypatch, tm
     assert planner.trace(*args, strategies=("ddp",)) == first and len(children) == 1
     assert planner.trace(*args[:3], 8, *args[4:], strategies=("ddp",)) != first
     assert len(children) == 2  # another batch is another trace
-    for kept in (tmp_path / "ddptrain" / "plans").iterdir():
-        kept.write_text("{torn")
-    assert planner.trace(*args, strategies=("ddp",)) == first and len(children) == 3
+    for damage, traces_so_far in (("{torn", 3), ('{"ddp": {}}', 4)):
+        for kept in (tmp_path / "ddptrain" / "plans").iterdir():
+            kept.write_text(damage)
+        assert planner.trace(*args, strategies=("ddp",)) == first
+        assert len(children) == traces_so_far
+
+
+def test_a_runs_plan_line_names_the_flags_its_trace_leaves_out():
+    from ddptrain.config import Config
+    from ddptrain.run import _untraced
+
+    assert _untraced(Config(arch="resnet18")) == []
+    settings = Config(arch="resnet18", opt="adamw", model_ema=True, accum_steps=2)
+    assert _untraced(settings) == ["--opt adamw", "--model-ema", "--accum-steps 2"]
+
+
+def test_a_trace_past_its_deadline_fails_in_one_line():
+    import time
+
+    request = dict(arch="resnet18", num_classes=3, world_size=1, image_size=16, per_rank_batch=2)
+    request.update(amp="none", strategies=["ddp"])
+    with pytest.raises(RuntimeError, match=r"^the memory trace took longer than 0 s$"):
+        planner._trace_in_child(request, deadline=time.monotonic() - 1)

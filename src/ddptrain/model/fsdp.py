@@ -139,8 +139,9 @@ def shard(
     # The root's parameters (stem, head) are used last in backward: keeping them gathered after
     # forward saves one all-gather per step.
     fully_shard(model, reshard_after_forward=False, **options)
-    if dist.get_backend(options["mesh"].get_group()) == "gloo":
-        # Gloo's own all-gather and reduce-scatter run at half the speed of pairwise sends.
+    if device.type == "cpu" and dist.get_backend(options["mesh"].get_group()) == "gloo":
+        # Gloo's own all-gather and reduce-scatter run at half the speed of pairwise sends. On
+        # the CPU only: gloo's sends take host memory (its collectives copy a GPU's through it).
         for module in (*units, model):
             module.set_custom_all_gather(PairwiseAllGather())
             module.set_custom_reduce_scatter(PairwiseReduceScatter())

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,9 @@ GiB = 2**30
 # cuBLAS workspaces, NCCL's own buffers, and the caching allocator's rounding and fragmentation.
 USABLE = 0.9
 TRACE_TIMEOUT = 900  # seconds; resnet50 at 224 px takes about 5 here
+# What a trace gives and the plan reads, per strategy.
+FIGURES = {"params", "grads", "optimizer", "buffers", "activations", "peak", "all_gather_peak",
+           "bucket_rebuild"}  # fmt: skip
 BATCH_SEARCH_TRACES = 4  # traces spent looking for the largest batch that fits
 # Launcher variables a child of a real rank must not see (it plans; it joins no job).
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
@@ -77,10 +81,11 @@ def trace(
     image_size: int,
     amp: str,
     strategies: tuple[str, ...] = STRATEGIES,
+    deadline: float | None = None,
 ) -> dict[str, dict]:
     """Per-rank bytes of one training step under each strategy (see tools/trace.py), traced in a
     child process, or as this same code traced the same request before (every starting run
-    asks, and a trace takes seconds)."""
+    asks, and a trace takes seconds). A trace not done by `deadline` (time.monotonic) fails."""
     request = dict(
         arch=arch, num_classes=num_classes, world_size=world_size, image_size=image_size,
         per_rank_batch=per_rank_batch, amp=amp, strategies=list(strategies),
@@ -88,9 +93,9 @@ def trace(
     remembered = _remembered_file(request)
     with contextlib.suppress(OSError, ValueError):
         result = json.loads(remembered.read_text())
-        if isinstance(result, dict) and set(result) == set(strategies):
+        if _complete(result, strategies):
             return result
-    result = _trace_in_child(request)
+    result = _trace_in_child(request, deadline)
     # A cache that cannot be written costs the next run a trace, nothing more.
     with contextlib.suppress(OSError):
         remembered.parent.mkdir(parents=True, exist_ok=True)
@@ -103,19 +108,34 @@ def _remembered_file(request: dict) -> Path:
     versions and this package's source, any change to which traces again."""
     key = hashlib.sha256(json.dumps(request, sort_keys=True).encode())
     for package in ("torch", "torchvision"):
-        key.update(importlib.metadata.version(package).encode())
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # a source build
+            key.update(importlib.metadata.version(package).encode())
     for source in sorted(Path(ddptrain.__file__).parent.rglob("*.py")):
         key.update(source.read_bytes())
     return cache_dir() / "plans" / f"{key.hexdigest()[:32]}.json"
 
 
-def _trace_in_child(request: dict) -> dict[str, dict]:
+def _complete(result: object, strategies: tuple[str, ...]) -> bool:
+    """Whether a kept trace holds every figure the plan reads, for each strategy asked."""
+    return (
+        isinstance(result, dict)
+        and set(result) == set(strategies)
+        and all(isinstance(result[s], dict) and result[s].keys() >= FIGURES for s in strategies)
+    )
+
+
+def _trace_in_child(request: dict, deadline: float | None) -> dict[str, dict]:
+    left = TRACE_TIMEOUT if deadline is None else deadline - time.monotonic()
+    timeout = max(0.0, min(TRACE_TIMEOUT, left))
     with tempfile.TemporaryDirectory(prefix="ddptrain-plan-") as folder:
         reply = Path(folder) / "reply.json"  # not stdout, where a library may print too
         command = [sys.executable, "-m", "ddptrain.tools.trace", json.dumps(request), str(reply)]
-        done = subprocess.run(
-            command, env=_child_env(), capture_output=True, text=True, timeout=TRACE_TIMEOUT
-        )
+        try:
+            done = subprocess.run(
+                command, env=_child_env(), capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the memory trace took longer than {timeout:.0f} s") from None
         result = json.loads(reply.read_text()) if reply.is_file() else {}
     if "error" in result:
         raise UserError(f"--arch {request['arch']}: {result['error']}")
@@ -282,14 +302,16 @@ def plan_line(
     amp: str,
     strategy: str,
     device_memory_bytes: int | None,
+    seconds: float = TRACE_TIMEOUT,
 ) -> str:
     """One line for a starting run's rank 0: its strategy's per-rank peak; given the device's
     bytes (CUDA), whether it fits, and when not, the other strategy or the global batch that
     would. A trace in a child process: seconds (about 5 for resnet50 at 224 px here), more when
-    it does not fit and alternatives are traced."""
+    it does not fit and alternatives are traced; all of them within `seconds`, or it fails."""
     args = dict(
-        arch=arch, num_classes=num_classes, world_size=world_size, image_size=image_size, amp=amp
-    )
+        arch=arch, num_classes=num_classes, world_size=world_size, image_size=image_size, amp=amp,
+        deadline=time.monotonic() + seconds,
+    )  # fmt: skip
     figures = trace(**args, per_rank_batch=per_rank_batch, strategies=(strategy,))[strategy]
     state = sum(figures[k] for k in ("params", "grads", "optimizer"))
     line = (
