@@ -30,9 +30,6 @@ GiB = 2**30
 # cuBLAS workspaces, NCCL's own buffers, and the caching allocator's rounding and fragmentation.
 USABLE = 0.9
 TRACE_TIMEOUT = 900  # seconds; resnet50 at 224 px takes about 5 here
-# What a trace gives and the plan reads, per strategy.
-FIGURES = {"params", "grads", "optimizer", "buffers", "activations", "peak", "all_gather_peak",
-           "bucket_rebuild"}  # fmt: skip
 BATCH_SEARCH_TRACES = 4  # traces spent looking for the largest batch that fits
 # Launcher variables a child of a real rank must not see (it plans; it joins no job).
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
@@ -235,6 +232,7 @@ ROWS = (
     ("DDP bucket rebuild", "bucket_rebuild"),
     ("peak", "peak"),
 )
+FIGURES = {key for _, key in ROWS}  # what the plan reads of a trace, per strategy
 
 
 def table(request: PlanRequest, result: dict[str, dict]) -> str:
