@@ -7,6 +7,7 @@ starting run its own strategy's line, and on a device too small, the strategy or
 """
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -103,13 +104,21 @@ def trace(
 def _remembered_file(request: dict) -> Path:
     """Where a trace of `request` is kept: named by the request, torch's and torchvision's
     versions and this package's source, any change to which traces again."""
-    key = hashlib.sha256(json.dumps(request, sort_keys=True).encode())
+    key = hashlib.sha256(json.dumps(request, sort_keys=True).encode() + _code_version())
+    return cache_dir() / "plans" / f"{key.hexdigest()[:32]}.json"
+
+
+@functools.cache
+def _code_version() -> bytes:
+    """A digest of what a trace depends on besides its request: torch's and torchvision's
+    versions and this package's source. Once per process: a plan may trace several times."""
+    digest = hashlib.sha256()
     for package in ("torch", "torchvision"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # a source build
-            key.update(importlib.metadata.version(package).encode())
+            digest.update(importlib.metadata.version(package).encode())
     for source in sorted(Path(ddptrain.__file__).parent.rglob("*.py")):
-        key.update(source.read_bytes())
-    return cache_dir() / "plans" / f"{key.hexdigest()[:32]}.json"
+        digest.update(source.read_bytes())
+    return digest.digest()
 
 
 def _complete(result: object, strategies: tuple[str, ...]) -> bool:
