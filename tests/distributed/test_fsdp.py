@@ -159,3 +159,36 @@ def test_shard_units_are_the_blocks():
 
 
 RANK0 = type("Rank0", (), {"rank": 0})()
+
+
+def dtypes_in_a_bf16_step(env):
+    """The dtype each BatchNorm's and convolution's weight has as its forward runs, in two
+    steps of a 2-rank fsdp resnet18 under --amp bf16; and whether the losses were finite."""
+    torch.manual_seed(0)
+    model = build_model("resnet18", 3, 16, False, meta=builds_on_meta(env, "fsdp"))
+    model = wrap(model, env, strategy="fsdp", arch="resnet18", amp_dtype=torch.bfloat16)
+    seen = {"norm": set(), "conv": set()}
+    for module in model.modules():
+        # fsdp gives a sharded module a class of its own, a subclass of the one it had
+        for kind, cls in (("norm", nn.BatchNorm2d), ("conv", nn.Conv2d)):
+            if isinstance(module, cls):
+                module.register_forward_pre_hook(
+                    lambda m, _, k=kind: seen[k].add(str(m.weight.dtype))
+                )
+    step = Step(model, torch.optim.SGD(model.parameters(), lr=0.1), Precision(amp="bf16"))
+    losses = []
+    for _ in range(2):
+        # 32 px, not 16: at 16 layer4's stride-2 convolution sees a 1x1 input, where torch's
+        # bf16 CPU convolution (oneDNN) leaves its weight gradient partly uninitialised, NaN
+        # at random (torch 2.14.1, fsdp or not).
+        images, target = torch.randn(4, 3, 32, 32), torch.randint(0, 3, (4,))
+        losses.append(step(images, target)[0])
+    return sorted(seen["norm"]), sorted(seen["conv"]), bool(torch.stack(losses).isfinite().all())
+
+
+def test_under_fsdp_and_bf16_batch_norm_keeps_fp32_parameters():
+    # Gathered in bf16, BatchNorm's weights would differ in dtype from its fp32 running
+    # statistics, which CUDA's batch norm refuses in backward ("Expected running_mean to have
+    # type BFloat16"). As under ddp's autocast, they stay fp32; the convolutions take bf16.
+    for norm, conv, finite in run_ranks(dtypes_in_a_bf16_step, 2):
+        assert (norm, conv, finite) == (["torch.float32"], ["torch.bfloat16"], True)

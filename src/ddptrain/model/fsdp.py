@@ -96,6 +96,14 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return [unit for unit in units if _holds_parameters(unit)]
 
 
+def _batch_norms(modules) -> list[nn.Module]:
+    return [
+        m
+        for m in modules
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and _holds_parameters(m)
+    ]
+
+
 def mixed_precision(amp_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
     """Parameters gathered and computed in the autocast dtype; gradients reduced in fp32, so the
     sum over ranks loses nothing to the low precision."""
@@ -134,15 +142,28 @@ def shard(
         mp_policy=mixed_precision(amp_dtype),
         offload_policy=offload_policy(offload, device),
     )
-    for unit in units:
-        fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
-    # The root's parameters (stem, head) are used last in backward: keeping them gathered after
-    # forward saves one all-gather per step.
-    fully_shard(model, reshard_after_forward=False, **options)
+    # Under --amp, BatchNorm keeps its parameters in fp32, as under ddp's autocast: gathered
+    # in the autocast dtype they would differ in dtype from its fp32 running statistics, which
+    # CUDA's batch norm refuses in backward. The norms of each unit (and those of the root)
+    # are one group of their own, gathered in fp32.
+    in_units = {id(m) for unit in units for m in unit.modules()}
+    outside = [m for m in model.modules() if id(m) not in in_units]
+    fp32 = {**options, "mp_policy": MixedPrecisionPolicy()}
+    groups: list[nn.Module] = []
+    for unit, rest in [*((unit, unit.modules()) for unit in units), (model, outside)]:
+        # The root's parameters (stem, head) are used last in backward: keeping them gathered
+        # after forward saves one all-gather per step.
+        reshard = reshard_after_forward and unit is not model
+        norms = _batch_norms(rest) if amp_dtype is not None else []
+        if norms:
+            fully_shard(norms, reshard_after_forward=reshard, **fp32)
+            groups.append(norms[0])
+        fully_shard(unit, reshard_after_forward=reshard, **options)
+        groups.append(unit)
     if device.type == "cpu" and dist.get_backend(options["mesh"].get_group()) == "gloo":
         # Gloo's own all-gather and reduce-scatter run at half the speed of pairwise sends. On
         # the CPU only: gloo's sends take host memory (its collectives copy a GPU's through it).
-        for module in (*units, model):
+        for module in groups:  # a group's first module sets the whole group's
             module.set_custom_all_gather(PairwiseAllGather())
             module.set_custom_reduce_scatter(PairwiseReduceScatter())
     return model
