@@ -13,6 +13,7 @@ from ddptrain.model.precision import Precision
 from ddptrain.report.reporter import Reporter
 from ddptrain.state.checkpointer import TrainState
 from ddptrain.train.preempt import StopRequests
+from ddptrain.train.step import Step
 from ddptrain.train.trainer import Run, train_epoch
 
 CPU = torch.device("cpu")
@@ -119,3 +120,14 @@ def test_no_host_sync_outside_print_steps(monkeypatch, capsys, precision):
     assert len(counter.calls) > loader.marks[-1]
     assert result["samples"] == STEPS * BATCH
     assert f"[{STEPS}/{STEPS}]" in capsys.readouterr().out
+
+
+def test_the_finite_flag_lands_on_the_losses_device_when_the_gradients_are_elsewhere():
+    # Under --fsdp-offload on a GPU the gradients are in host memory and the losses on the
+    # GPU (stacking the two flags failed there). The meta device stands in for the GPU.
+    model = nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    step = Step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert step.finite([torch.tensor(1.0, device="meta")]).device.type == "meta"
+    model.weight.grad[0, 0] = float("nan")
+    assert not step.finite([torch.tensor(1.0)])

@@ -67,8 +67,9 @@ class Step:
         if self.precision.scaler is None:
             grads = [getattr(p.grad, "_local_tensor", p.grad) for p in self.model.parameters()]
             sums = [g.sum() for g in grads if g is not None]
-            if sums:
-                flags.append(torch.isfinite(torch.stack(sums).sum()))
+            if sums:  # on the losses' device: under --fsdp-offload gradients are in host memory
+                flag = torch.isfinite(torch.stack(sums).sum())
+                flags.append(flag.to(flags[0].device, non_blocking=True))
         return torch.stack(flags).all()
 
     def agreed_finite(self, losses: list[torch.Tensor]) -> bool:
