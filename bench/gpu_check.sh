@@ -3,9 +3,10 @@
 # with --amp bf16 --channels-last, on synthetic data (--dummy: FakeData through the same uint8
 # path), on a generated JPEG ImageFolder, and from batches preloaded in memory (the compute
 # bound); then, under torchrun on the same JPEG set, --strategy fsdp and, with 2 or more GPUs, 2
-# ranks with each --ddp-comm-hook and fsdp with and without --fsdp-offload. Prints samples/s for
-# each, and the total time. With the venv in place: about 5 minutes on one GPU, 8 with two or
-# more (estimated, not yet timed on a GPU: each torchrun run adds about 30 s).
+# ranks with each --ddp-comm-hook and fsdp with and without --fsdp-offload (with one GPU: fsdp
+# --fsdp-offload on 2 ranks sharing it over gloo). Prints samples/s for each, and the total
+# time. On one H200 (torch 2.11): 320 s. With two or more GPUs about 8 minutes (estimated: each
+# torchrun run adds about 30 s).
 #
 #   bash bench/gpu_check.sh            (from the repository root; PYTHON=... to pick python)
 set -euo pipefail
@@ -98,7 +99,37 @@ torchrun_check fsdp-1 1 "${COMMON[@]}" -b "$BATCH" -j "$WORKERS" --strategy fsdp
 # and ignore CUDA_VISIBLE_DEVICES. PowerSGD compresses from its third step (of 30) on.
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$GPUS" -lt 2 ]; then
-    echo "== skipped: 2 ranks (ddp, --ddp-comm-hook bf16|fp16|powersgd, fsdp) need 2 GPUs; $GPUS here"
+    echo "== skipped: NCCL on 2 ranks (ddp, --ddp-comm-hook bf16|fp16|powersgd, fsdp) needs 2 GPUs; $GPUS here"
+    # 5'. One GPU: 2 ranks share it over gloo (NCCL refuses two ranks on one device), each
+    # started on its own with --dist-url tcp:// (rank modulo the node's one device: cuda:0 for
+    # both). Not a timing: it runs --fsdp-offload's path that the CPU tests cannot reach (rank
+    # 1 builds on the meta device, shards in pinned host memory, buffers on the GPU) and its
+    # resume, on the real CLI: resnet18 for an epoch, then resumed for a second. With torch
+    # 2.11 both ranks trained, then crashed (SIGSEGV) in torch's full-state-dict gather
+    # (DTensor's all-gather of CUDA tensors over gloo) at the first checkpoint.
+    two_on_one() {  # EPOCHS FLAG...
+        local epochs=$1 port pids=() rank status=0
+        shift
+        port=$("$PY" -c "from ddptrain.dist.ports import free_port; print(free_port())")
+        for rank in 0 1; do
+            timeout 150 "$PY" -m ddptrain train "$DATA" -a resnet18 --amp bf16 --device cuda \
+                -b 256 -j 4 --strategy fsdp --fsdp-offload --dist-backend gloo \
+                --dist-url "tcp://127.0.0.1:$port" --world-size 2 --rank "$rank" \
+                --epochs "$epochs" -p 5 --out-dir "$OUT/offload" "$@" >"$OUT/offload.$rank.log" 2>&1 &
+            pids+=($!)
+        done
+        for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+        tail -n 4 "$OUT"/offload.*.log
+        return "$status"
+    }
+    echo "== resnet18, fsdp --fsdp-offload on 2 ranks sharing the GPU over gloo, then resumed"
+    if two_on_one 1 && two_on_one 2 --resume auto && grep -q "resumed from" "$OUT/offload.0.log"; then
+        result fsdp-offload-2-on-1 "$OUT/offload/metrics.jsonl"
+        echo "RESULT fsdp-offload-2-on-1 resume: ok"
+    else
+        echo "RESULT fsdp-offload-2-on-1: FAILED"
+        FAILED=1
+    fi
 else
     TWO=("${COMMON[@]}" -b $(( 2 * BATCH )) -j $(( WORKERS / 2 > 0 ? WORKERS / 2 : 1 )))
     torchrun_check ddp-2 2 "${TWO[@]}" --channels-last
