@@ -161,12 +161,29 @@ def test_shard_units_are_the_blocks():
 RANK0 = type("Rank0", (), {"rank": 0})()
 
 
-def dtypes_in_a_bf16_step(env):
+class TinyVGG(nn.Module):
+    """fsdp's rule 2: the parameter-holding children of `features` and `classifier` are its
+    units, so a BatchNorm is a unit of its own."""
+
+    def __init__(self):
+        super().__init__()
+        conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.features = nn.Sequential(conv, nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+def dtypes_in_a_bf16_step(env, arch):
     """The dtype each BatchNorm's and convolution's weight has as its forward runs, in two
-    steps of a 2-rank fsdp resnet18 under --amp bf16; and whether the losses were finite."""
+    steps of a 2-rank fsdp model under --amp bf16; and whether the losses were finite."""
     torch.manual_seed(0)
-    model = build_model("resnet18", 3, 16, False, meta=builds_on_meta(env, "fsdp"))
-    model = wrap(model, env, strategy="fsdp", arch="resnet18", amp_dtype=torch.bfloat16)
+    if arch == "tiny_vgg":
+        model = TinyVGG()
+    else:
+        model = build_model(arch, 3, 16, False, meta=builds_on_meta(env, "fsdp"))
+    model = wrap(model, env, strategy="fsdp", arch=arch, amp_dtype=torch.bfloat16)
     seen = {"norm": set(), "conv": set()}
     for module in model.modules():
         # fsdp gives a sharded module a class of its own, a subclass of the one it had
@@ -186,9 +203,11 @@ def dtypes_in_a_bf16_step(env):
     return sorted(seen["norm"]), sorted(seen["conv"]), bool(torch.stack(losses).isfinite().all())
 
 
-def test_under_fsdp_and_bf16_batch_norm_keeps_fp32_parameters():
+@pytest.mark.parametrize("arch", ["resnet18", "tiny_vgg"])
+def test_under_fsdp_and_bf16_batch_norm_keeps_fp32_parameters(arch):
     # Gathered in bf16, BatchNorm's weights would differ in dtype from its fp32 running
     # statistics, which CUDA's batch norm refuses in backward ("Expected running_mean to have
     # type BFloat16"). As under ddp's autocast, they stay fp32; the convolutions take bf16.
-    for norm, conv, finite in run_ranks(dtypes_in_a_bf16_step, 2):
+    # A BatchNorm inside a unit is a group of its own; one that is a unit keeps fp32 itself.
+    for norm, conv, finite in run_ranks(dtypes_in_a_bf16_step, 2, arch):
         assert (norm, conv, finite) == (["torch.float32"], ["torch.bfloat16"], True)

@@ -155,6 +155,10 @@ def shard(
         # after forward saves one all-gather per step.
         reshard = reshard_after_forward and unit is not model
         norms = _batch_norms(rest) if amp_dtype is not None else []
+        if norms == [unit]:  # a unit that is a BatchNorm (VGG's `features` under rule 2)
+            fully_shard(unit, reshard_after_forward=reshard, **fp32)
+            groups.append(unit)
+            continue
         if norms:
             fully_shard(norms, reshard_after_forward=reshard, **fp32)
             groups.append(norms[0])
