@@ -5,8 +5,9 @@
 # bound); then, under torchrun on the same JPEG set, --strategy fsdp and, with 2 or more GPUs, 2
 # ranks with each --ddp-comm-hook and fsdp with and without --fsdp-offload (with one GPU: fsdp
 # --fsdp-offload on 2 ranks sharing it over gloo). Prints samples/s for each, and the total
-# time. On one H200 (torch 2.11): 320 s. With two or more GPUs about 8 minutes (estimated: each
-# torchrun run adds about 30 s).
+# time. On one H200 (torch 2.11): 320 s, the one-GPU branch included (it ended at its first
+# checkpoint, below). With two or more GPUs about 8 minutes (estimated: each torchrun run adds
+# about 30 s).
 #
 #   bash bench/gpu_check.sh            (from the repository root; PYTHON=... to pick python)
 set -euo pipefail
@@ -102,9 +103,10 @@ if [ "$GPUS" -lt 2 ]; then
     echo "== skipped: NCCL on 2 ranks (ddp, --ddp-comm-hook bf16|fp16|powersgd, fsdp) needs 2 GPUs; $GPUS here"
     # 5'. One GPU: 2 ranks share it over gloo (NCCL refuses two ranks on one device), each
     # started on its own with --dist-url tcp:// (rank modulo the node's one device: cuda:0 for
-    # both). Not a timing: it runs --fsdp-offload's path that the CPU tests cannot reach (rank
-    # 1 builds on the meta device, shards in pinned host memory, buffers on the GPU) and its
-    # resume, on the real CLI: resnet18 for an epoch, then resumed for a second. With torch
+    # both). Its samples/s mean little: it runs --fsdp-offload's path that the CPU tests
+    # cannot reach (rank 1 builds on the meta device, shards in pinned host memory, buffers on
+    # the GPU) and its resume, on the real CLI: resnet18 for an epoch, then resumed for a
+    # second. With torch
     # 2.11 both ranks trained, then crashed (SIGSEGV) in torch's full-state-dict gather
     # (DTensor's all-gather of CUDA tensors over gloo) at the first checkpoint.
     two_on_one() {  # EPOCHS FLAG...
@@ -112,7 +114,8 @@ if [ "$GPUS" -lt 2 ]; then
         shift
         port=$("$PY" -c "from ddptrain.dist.ports import free_port; print(free_port())")
         for rank in 0 1; do
-            timeout 150 "$PY" -m ddptrain train "$DATA" -a resnet18 --amp bf16 --device cuda \
+            # -k: a rank stuck in a collective may not heed SIGTERM (--dist-timeout is 600 s)
+            timeout -k 15 150 "$PY" -m ddptrain train "$DATA" -a resnet18 --amp bf16 --device cuda \
                 -b 256 -j 4 --strategy fsdp --fsdp-offload --dist-backend gloo \
                 --dist-url "tcp://127.0.0.1:$port" --world-size 2 --rank "$rank" \
                 --epochs "$epochs" -p 5 --out-dir "$OUT/offload" "$@" >"$OUT/offload.$rank.log" 2>&1 &

@@ -192,6 +192,8 @@ def dtypes_in_a_bf16_step(env, arch):
                 module.register_forward_pre_hook(
                     lambda m, _, k=kind: seen[k].add(str(m.weight.dtype))
                 )
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    before = [m.weight.full_tensor() for m in norms]
     step = Step(model, torch.optim.SGD(model.parameters(), lr=0.1), Precision(amp="bf16"))
     losses = []
     for _ in range(2):
@@ -200,7 +202,13 @@ def dtypes_in_a_bf16_step(env, arch):
         # at random (torch 2.14.1, fsdp or not).
         images, target = torch.randn(4, 3, 32, 32), torch.randint(0, 3, (4,))
         losses.append(step(images, target)[0])
-    return sorted(seen["norm"]), sorted(seen["conv"]), bool(torch.stack(losses).isfinite().all())
+    finite = bool(torch.stack(losses).isfinite().all())
+    # every BatchNorm's gradient reached its shards (as the same full weights on every rank)
+    changed = [
+        not torch.equal(m.weight.full_tensor(), b) for m, b in zip(norms, before, strict=True)
+    ]
+    after = torch.cat([m.weight.full_tensor() for m in norms])
+    return sorted(seen["norm"]), sorted(seen["conv"]), finite, all(changed), after
 
 
 @pytest.mark.parametrize("arch", ["resnet18", "tiny_vgg"])
@@ -209,5 +217,6 @@ def test_under_fsdp_and_bf16_batch_norm_keeps_fp32_parameters(arch):
     # statistics, which CUDA's batch norm refuses in backward ("Expected running_mean to have
     # type BFloat16"). As under ddp's autocast, they stay fp32; the convolutions take bf16.
     # A BatchNorm inside a unit is a group of its own; one that is a unit keeps fp32 itself.
-    for norm, conv, finite in run_ranks(dtypes_in_a_bf16_step, 2, arch):
-        assert (norm, conv, finite) == (["torch.float32"], ["torch.bfloat16"], True)
+    (*rank0, weights0), (*rank1, weights1) = run_ranks(dtypes_in_a_bf16_step, 2, arch)
+    assert rank0 == rank1 == [["torch.float32"], ["torch.bfloat16"], True, True]
+    torch.testing.assert_close(weights1, weights0, rtol=0, atol=0)

@@ -11,7 +11,8 @@ freed after, so a rank holds the whole of one block at a time and a shard of the
    parameters (VGG, AlexNet, SqueezeNet);
 3. else each direct child of the model that holds parameters (GoogLeNet, Inception v3).
 
-Then the root, which takes what no unit holds (stem, head).
+Then the root, which takes what no unit holds (stem, head). Under --amp, the BatchNorms of
+each unit and of the root are one more group, kept in fp32 (see `shard`).
 
 The whole model never sits on the device. Only rank 0 builds real weights (the other ranks
 build on the meta device, which holds no memory, and then make room for their shards alone);
@@ -130,7 +131,8 @@ def shard(
 ) -> nn.Module:
     """fully_shard on each unit, then the root, over the default process group's ranks, on
     `device` (each unit's parameters move there as it is sharded, or to host memory under
-    `offload`; meta ones stay meta)."""
+    `offload`; meta ones stay meta). Under `amp_dtype`, the BatchNorms of each unit and of the
+    root are a group of their own, in fp32."""
     units = shard_units(model)
     if not units:
         raise UserError(f"--strategy fsdp: no blocks to shard in --arch {arch}; use --strategy ddp")
@@ -142,32 +144,30 @@ def shard(
         mp_policy=mixed_precision(amp_dtype),
         offload_policy=offload_policy(offload, device),
     )
-    # Under --amp, BatchNorm keeps its parameters in fp32, as under ddp's autocast: gathered
-    # in the autocast dtype they would differ in dtype from its fp32 running statistics, which
-    # CUDA's batch norm refuses in backward. The norms of each unit (and those of the root)
-    # are one group of their own, gathered in fp32.
+    # Under --amp, BatchNorm keeps its parameters in fp32, as under ddp's autocast: gathered in
+    # the autocast dtype they differ in dtype from its fp32 running statistics, which batch norm
+    # refuses (CUDA's in backward, the CPU's in forward for resnet50). So each unit's norms (and
+    # the root's) are a group of their own, gathered in fp32 and kept gathered from forward to
+    # backward: they are small, and it saves one all-gather per group in backward.
     in_units = {id(m) for unit in units for m in unit.modules()}
     outside = [m for m in model.modules() if id(m) not in in_units]
     fp32 = {**options, "mp_policy": MixedPrecisionPolicy()}
     groups: list[nn.Module] = []
-    for unit, rest in [*((unit, unit.modules()) for unit in units), (model, outside)]:
-        # The root's parameters (stem, head) are used last in backward: keeping them gathered
-        # after forward saves one all-gather per step.
-        reshard = reshard_after_forward and unit is not model
-        norms = _batch_norms(rest) if amp_dtype is not None else []
-        if norms == [unit]:  # a unit that is a BatchNorm (VGG's `features` under rule 2)
-            fully_shard(unit, reshard_after_forward=reshard, **fp32)
-            groups.append(unit)
-            continue
+    for unit, inside in [*((unit, unit.modules()) for unit in units), (model, outside)]:
+        norms = _batch_norms(inside) if amp_dtype is not None else []
         if norms:
-            fully_shard(norms, reshard_after_forward=reshard, **fp32)
+            fully_shard(norms, reshard_after_forward=False, **fp32)
             groups.append(norms[0])
-        fully_shard(unit, reshard_after_forward=reshard, **options)
-        groups.append(unit)
+        if norms != [unit]:  # else the unit is itself a BatchNorm (vgg*_bn's, under rule 2)
+            # The root's parameters (stem, head) are used last in backward: keeping them
+            # gathered after forward saves one all-gather per step.
+            reshard = reshard_after_forward and unit is not model
+            fully_shard(unit, reshard_after_forward=reshard, **options)
+            groups.append(unit)
     if device.type == "cpu" and dist.get_backend(options["mesh"].get_group()) == "gloo":
         # Gloo's own all-gather and reduce-scatter run at half the speed of pairwise sends. On
         # the CPU only: gloo's sends take host memory (its collectives copy a GPU's through it).
-        for module in groups:  # a group's first module sets the whole group's
+        for module in groups:  # the modules of a group share one FSDP state
             module.set_custom_all_gather(PairwiseAllGather())
             module.set_custom_reduce_scatter(PairwiseReduceScatter())
     return model
