@@ -106,9 +106,9 @@ if [ "$GPUS" -lt 2 ]; then
     # both). Its samples/s mean little: it runs --fsdp-offload's path that the CPU tests
     # cannot reach (rank 1 builds on the meta device, shards in pinned host memory, buffers on
     # the GPU) and its resume, on the real CLI: resnet18 for an epoch, then resumed for a
-    # second. With torch
-    # 2.11 both ranks trained, then crashed (SIGSEGV) in torch's full-state-dict gather
-    # (DTensor's all-gather of CUDA tensors over gloo) at the first checkpoint.
+    # second. With torch 2.11 both ranks trained, then crashed (SIGSEGV) in torch's
+    # full-state-dict gather (DTensor's all-gather of CUDA tensors over gloo) at the first
+    # checkpoint.
     two_on_one() {  # EPOCHS FLAG...
         local epochs=$1 port pids=() rank status=0
         shift
