@@ -1,6 +1,7 @@
 """The projection in docs/scaling.md: resnet50 DDP samples/s and scaling efficiency on 8 x H200
-per node, from an assumed per-GPU rate and a ring all-reduce model. Prints the table; measures
-nothing. Every constant is explained (and sourced or marked as an assumption) in the doc.
+per node, from a per-GPU rate measured on one H200 and a ring all-reduce model. Prints the
+table; measures nothing. Every constant is explained (and sourced or marked as an assumption)
+in the doc.
 
     python -m bench.projection
 """
@@ -8,7 +9,9 @@ nothing. Every constant is explained (and sourced or marked as an assumption) in
 import torch
 import torchvision
 
-IMAGES_PER_S = 3000  # assumed resnet50 bf16 channels_last training rate of one H200
+# resnet50 training on one H200 (bf16, channels_last, batch 256, batches preloaded): `RESULT
+# bound` of bench/gpu_check.sh, measured once with torch 2.11 (docs/scaling.md)
+IMAGES_PER_S = 4538
 BACKWARD = 2 / 3  # share of the step's compute in backward (backward ~ 2 x forward)
 GPUS = 8  # per node
 NVLINK = 350e9  # assumed intra-node NCCL bus bandwidth, bytes/s per GPU
