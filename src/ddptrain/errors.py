@@ -5,6 +5,7 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 
 class UserError(ValueError):
@@ -135,11 +136,13 @@ def report(err: BaseException) -> int | None:
     return code
 
 
-def write_line(line: str) -> None:
-    """A rank's line on stderr in one write: every failed rank writes one into the same pipe, and
-    print's separate write of the newline let two ranks' lines run together."""
-    sys.stderr.write(f"{line}\n")
-    sys.stderr.flush()
+def write_line(line: str, stream: TextIO | None = None) -> None:
+    """A line on `stream` (stderr by default) in one write: every rank writes into the same
+    pipes, and under PYTHONUNBUFFERED print's separate write of the newline let another rank's
+    line land in the middle of this one."""
+    stream = stream or sys.stderr
+    stream.write(f"{line}\n")
+    stream.flush()
 
 
 def _exit_line(err: BaseException) -> tuple[int | None, str]:

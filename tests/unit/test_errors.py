@@ -1,6 +1,10 @@
+import io
+import sys
+
 import pytest
 
-from ddptrain.errors import UserError, one_line, report, report_errors
+from ddptrain.errors import UserError, one_line, report, report_errors, write_line
+from ddptrain.report.progress import make_progress, say
 
 
 def test_user_errors_become_one_line_and_exit_2(capsys):
@@ -77,3 +81,31 @@ def test_a_lost_peer_is_one_line_and_exit_1(capsys, message):
 
     assert report_errors(collective) == 1
     assert capsys.readouterr().err.startswith("ddptrain: error: lost contact with another rank")
+
+
+class Writes(io.StringIO):
+    """A stream that keeps each write apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_every_line_a_rank_shows_is_one_write(monkeypatch):
+    # Every rank writes into the same pipes: under PYTHONUNBUFFERED, print's separate write of
+    # the newline let another rank's error line land in the middle of rank 0's list of bad
+    # images ("...PIL readsddptrain: error: ..."). Each line is one write.
+    stream = Writes()
+    monkeypatch.setattr(sys, "stderr", stream)
+    say("bad image a.png: truncated", stderr=True)
+    write_line("ddptrain: error: one line")
+    make_progress("lines", stream).write("epoch 1/1 [1/1] loss 1.0")
+    assert stream.writes == [
+        "bad image a.png: truncated\n",
+        "ddptrain: error: one line\n",
+        "epoch 1/1 [1/1] loss 1.0\n",
+    ]

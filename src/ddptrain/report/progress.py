@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 
 from tqdm import tqdm
 
+from ddptrain.errors import write_line
+
 MODES = ("auto", "bar", "lines", "none")
 
 
@@ -55,7 +57,7 @@ class Lines:
         pass
 
     def write(self, line: str) -> None:
-        print(line, file=self.stream, flush=True)
+        write_line(line, self.stream)
 
 
 class Bar(Lines):
@@ -116,7 +118,7 @@ class Silent(Lines):
 def say(line: str, stderr: bool = False) -> None:
     """One line, flushed at once (progress must show while work goes on), from a caller that
     knows it is rank 0 or the only process."""
-    print(line, file=sys.stderr if stderr else sys.stdout, flush=True)
+    write_line(line, sys.stderr if stderr else sys.stdout)  # in one write: see write_line
 
 
 @contextlib.contextmanager
