@@ -1,6 +1,6 @@
 """One rank of a 2-rank gloo job that ends the way a finished fsdp run does: a collective on
 temporary tensors (all_gather_object), `teardown_distributed`, then the interpreter's own exit.
-Run as a script by test_exit.py, with MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE set."""
+test_exit.py starts it under torchrun, which sets the rank's place in the environment."""
 
 import torch
 import torch.distributed as dist
