@@ -3,13 +3,15 @@ rule, precision and model) fed from batches preloaded in memory instead of the l
 
     python -m bench.bound DATA -b 32 -j 2 --amp bf16 --epochs 2
 
-prints a JSON line: samples/s of each epoch.
+prints a JSON line: samples/s of each epoch, and the cores the process kept busy in each.
 """
 
 import argparse
 import dataclasses
 import itertools
 import json
+import resource
+import time
 from pathlib import Path
 
 import torch
@@ -54,15 +56,36 @@ def random_batches(
 
 
 def train_epochs(
-    config, env, feed, model, optimizer, scheduler, precision, epochs: int, profiler=None
+    config,
+    env,
+    feed,
+    model,
+    optimizer,
+    scheduler,
+    precision,
+    epochs: int,
+    profiler=None,
+    cores: list[float] | None = None,
 ) -> list[float]:
     """samples/s of each of `epochs` epochs of trainer.train_epoch: nothing shown, recorded or
-    saved, so only the training steps are timed. `profiler.step()`, if given, after each step."""
+    saved, so only the training steps are timed. `profiler.step()`, if given, after each step.
+    `cores`, if given, receives the cores this process kept busy in each epoch."""
     quiet = Reporter(env, None, "none")
+    rates = []
     with StopRequests(env) as stop:
         parts = (config, env, feed, model, optimizer, scheduler, quiet, 0, precision, None)
         run = Run(*parts, stop, profiler=profiler)
-        return [train_epoch(run, e, TrainState(epoch=e))["samples_per_sec"] for e in range(epochs)]
+        for e in range(epochs):
+            cpu, wall = _cpu_seconds(), time.perf_counter()
+            rates.append(train_epoch(run, e, TrainState(epoch=e))["samples_per_sec"])
+            if cores is not None:
+                cores.append((_cpu_seconds() - cpu) / (time.perf_counter() - wall))
+    return rates
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # all of this process's threads
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -100,8 +123,12 @@ def main() -> None:
     model = precision.place(model, env.device)
     optimizer, scheduler = build_optimizer(model, config)
     feed = Data(batches, Preloaded([steps] * args.epochs), [], 0, loaders.class_to_idx)
-    rates = train_epochs(config, env, feed, model, optimizer, scheduler, precision, args.epochs)
-    print(json.dumps({"samples_per_sec": rates, "threads": torch.get_num_threads()}))
+    cores: list[float] = []
+    parts = (config, env, feed, model, optimizer, scheduler, precision, args.epochs)
+    rates = train_epochs(*parts, cores=cores)
+    print(
+        json.dumps({"samples_per_sec": rates, "cores": cores, "threads": torch.get_num_threads()})
+    )
 
 
 if __name__ == "__main__":

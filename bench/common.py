@@ -1,6 +1,7 @@
 """What every benchmark shares: the generated JPEG set, repeats, subprocesses, the table and
 the results files."""
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -9,6 +10,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +128,49 @@ def run(cmd: list[str], env: dict, timeout: float = 900) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return done.stdout
+
+
+def tree_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of process pid and its descendants, summed by process name (torch
+    names the loader's worker processes pt_data_worker). Linux /proc; {} elsewhere."""
+    tick, seconds = os.sysconf("SC_CLK_TCK"), {}
+    pending = [pid]
+    while pending:
+        proc = Path(f"/proc/{pending.pop()}")
+        try:
+            stat = (proc / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat.rsplit(")", 1)[1].split()
+        # utime and stime, fields 14 and 15 of proc(5), counted after the name's field 2
+        seconds[name] = seconds.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        for task in proc.glob("task/*"):
+            with contextlib.suppress(OSError):  # a thread gone, or a kernel without the file
+                pending += [int(child) for child in (task / "children").read_text().split()]
+    return seconds
+
+
+def run_marking_cpu(
+    cmd: list[str], env: dict, marks: list, timeout: float = 900
+) -> list[tuple[float, dict[str, float]] | None]:
+    """Runs cmd like `run`, and for each of `marks` (callables) takes (seconds since the start,
+    tree_cpu) at the first poll, every 0.1 s, where that mark holds (None if it never did)."""
+    with open(os.devnull, "w") as quiet, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=quiet, stderr=err, text=True)
+        taken: list = [None] * len(marks)
+        while proc.poll() is None:
+            if time.perf_counter() - start > timeout:
+                proc.kill()
+                raise RuntimeError(f"{' '.join(cmd)} ran past {timeout} s")
+            for i, mark in enumerate(marks):
+                if taken[i] is None and mark():
+                    taken[i] = (time.perf_counter() - start, tree_cpu(proc.pid))
+            time.sleep(0.1)
+        if proc.returncode != 0:
+            err.seek(0)
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err.read()[-3000:]}")
+    return taken
 
 
 def run_json(cmd: list[str], env: dict, timeout: float = 900) -> dict:

@@ -12,13 +12,14 @@ emulated, slower than fp32. The compute bound is taken in the first of the amps.
 So every target is a ratio to a ceiling measured on the same CPU, which means the same on any.
 
 Every contender trains resnet18 at 224 px with the same global batch and loader workers on
-the same cores, for 2 epochs; the figure is the second epoch's (the first warms up: worker
-start, kernel selection). Repeats alternate between contenders; medians are reported.
+the same cores, for EPOCHS epochs; the figure is the last epoch's (see EPOCHS). Repeats
+alternate between contenders; medians are reported.
 
     python -m bench.train [--quick]
 """
 
 import argparse
+import collections
 import dataclasses
 import json
 import tempfile
@@ -27,9 +28,12 @@ from pathlib import Path
 from bench import common
 
 WORKERS = 2
-# Each ddptrain end-to-end run's share of its measured epoch spent waiting for the loader
-# (metrics.jsonl's data_wait): where end to end loses against the compute bound.
-DATA_WAIT: dict[str, list[float]] = {}
+# The last is measured. The first warms up (the train loader's workers start, kernels are
+# selected); the second meets the start of the val loader's workers at the first evaluation,
+# whose fork costs ddptrain's next training step about a second (copy-on-write of the training
+# process's pages; 1.6 against 0.65 s a step measured here), 9% of a 16-step epoch and a
+# one-time cost in a real run.
+EPOCHS = 3
 
 
 def lr(s: common.Scale) -> str:
@@ -44,19 +48,37 @@ TARGETS = {"step": 0.95, "bound": 0.95}
 STEPS = {True: 2, False: 10}  # timed steps of bench.step (--quick, full), after its warm-up
 
 
-def ddptrain(root: Path, s: common.Scale, amp: str) -> float:
+def ddptrain(root: Path, s: common.Scale, amp: str, epochs: list[dict]) -> float:
+    """samples/s of the last epoch. Appends to `epochs` where that epoch went, against the
+    compute bound: its share spent waiting for the loader (metrics.jsonl's data_wait), and the
+    cores its training process and its loader workers used meanwhile (/proc): on a CPU run the
+    workers decode on the cores the model computes on, which the bound keeps for itself."""
     with tempfile.TemporaryDirectory() as out:
-        common.run(
+        metrics = Path(out) / "metrics.jsonl"
+
+        def written() -> int:  # a train and a val record an epoch
+            return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+        before_last = 2 * (EPOCHS - 1)
+
+        start, end = common.run_marking_cpu(
             common.python(
                 "-m", "ddptrain", "train", str(root), "-a", "resnet18", "-b", str(s.batch),
-                "-j", str(WORKERS), "--epochs", "2", "--image-size", str(s.image_size),
+                "-j", str(WORKERS), "--epochs", str(EPOCHS), "--image-size", str(s.image_size),
                 "--lr", lr(s), "--amp", amp, "--device", "cpu", "-p", "1000000", "--out-dir", out,
             ),
             common.subprocess_env(),
+            [lambda: written() >= before_last, lambda: written() > before_last],
         )  # fmt: skip
-        records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
+        records = [json.loads(line) for line in metrics.open()]
     last = [r for r in records if r["split"] == "train"][-1]
-    DATA_WAIT.setdefault(amp, []).append(round(last["data_wait"], 3))
+    facts = {"data_wait": round(last["data_wait"], 3)}
+    if start and end and start[1] and end[1]:
+        wall = end[0] - start[0]
+        used = {name: (end[1][name] - start[1].get(name, 0.0)) / wall for name in end[1]}
+        workers = used.pop("pt_data_worker", 0.0)
+        facts.update(loader_cores=round(workers, 3), training_cores=round(sum(used.values()), 3))
+    epochs.append(facts)
     return last["samples_per_sec"]
 
 
@@ -64,19 +86,21 @@ def classic(root: Path, s: common.Scale) -> float:
     args = ["-b", str(s.batch), "-j", str(WORKERS), "--image-size", str(s.image_size)]
     args += ["--lr", lr(s)]
     result = common.run_json(
-        common.python("-m", "bench.classic", str(root), "--epochs", "2", *args),
+        common.python("-m", "bench.classic", str(root), "--epochs", str(EPOCHS), *args),
         common.subprocess_env(),
     )
     return result["samples_per_sec"][-1]
 
 
-def bound(root: Path, s: common.Scale, amp: str) -> float:
+def bound(root: Path, s: common.Scale, amp: str, epochs: list[dict]) -> float:
+    """samples/s of the last epoch; appends to `epochs` the cores it kept busy."""
     args = ["-b", str(s.batch), "-j", str(WORKERS), "--image-size", str(s.image_size)]
     args += ["--lr", lr(s)]
     result = common.run_json(
-        common.python("-m", "bench.bound", str(root), "--epochs", "2", "--amp", amp, *args),
+        common.python("-m", "bench.bound", str(root), "--epochs", str(EPOCHS), "--amp", amp, *args),
         common.subprocess_env(),
     )
+    epochs.append({"training_cores": round(result["cores"][-1], 3)})
     return result["samples_per_sec"][-1]
 
 
@@ -104,10 +128,13 @@ def main(argv: list[str] | None = None) -> dict:
         s = dataclasses.replace(s, repeats=args.repeats)
     root = common.jpeg_folder(s)
     contenders = {"classic loop, fp32": lambda: classic(root, s)}
+    # each try's measured epoch, by contender: where the time went (`ddptrain`, `bound`)
+    epochs: dict[str, list[dict]] = collections.defaultdict(list)
     for amp in amps:
-        contenders[f"ddptrain, {named[amp]}"] = lambda amp=amp: ddptrain(root, s, amp)
+        name = f"ddptrain, {named[amp]}"
+        contenders[name] = lambda amp=amp, name=name: ddptrain(root, s, amp, epochs[name])
     bound_name = f"ddptrain compute bound, {named[amps[0]]}"
-    contenders[bound_name] = lambda: bound(root, s, amps[0])
+    contenders[bound_name] = lambda: bound(root, s, amps[0], epochs[bound_name])
     contenders["step only: classic, fp32"] = lambda: step(s, "classic", quick)
     for amp in amps:
         contenders[f"step only: ddptrain, {named[amp]}"] = lambda amp=amp: step(s, amp, quick)
@@ -151,23 +178,35 @@ def main(argv: list[str] | None = None) -> dict:
         "lr": float(lr(s)),
         "train_images": s.classes * s.train_per_class,
         "source_images": f"{s.width}x{s.height} JPEG q90",
-        "measured": "second of 2 epochs",
+        "measured": f"the last of {EPOCHS} epochs",
         "step_only": f"{STEPS[quick]} steps after 2 warm-up steps, same batches in memory, "
         "torch's default threads",
         "ratios": "median over repeats of each repeat's ratio (contenders side by side)",
         "repeats": s.repeats,
         # every try, the disturbed ones measured again included
-        "data_wait_share": {
-            f"ddptrain, {'fp32' if a == 'none' else a}": v for a, v in DATA_WAIT.items()
-        },  # fmt: skip
+        "measured_epoch": dict(epochs),
+        "cores": common.machine()["usable_cores"],
     }
     common.print_table("Training throughput (end to end, CPU)", rows, ratios)
-    for name, shares in settings["data_wait_share"].items():
-        waits = ", ".join(f"{100 * v:.0f}%" for v in shares)
-        print(f"  {name}: share of the epoch waiting for the loader (data_wait): {waits}")
+    for name, tries in settings["measured_epoch"].items():
+        print(f"  {name}, the measured epoch of each try:")
+        for facts in tries:
+            print(f"    {epoch_text(facts, settings['cores'])}")
     path = common.write_results("train", quick, settings, rows, ratios)
     print(f"  -> {path}")
     return {"rows": rows, "ratios": ratios}
+
+
+def epoch_text(facts: dict, cores: int | None) -> str:
+    """One try's measured epoch in words: the cores its processes kept busy, and its wait for
+    data."""
+    busy = f"training process {facts['training_cores']:.2f}" if "training_cores" in facts else ""
+    if "loader_cores" in facts:
+        busy += f", loader workers {facts['loader_cores']:.2f}"
+    text = f"cores busy: {busy} (of {cores})" if busy else "cores busy: not measured"
+    if "data_wait" in facts:
+        text += f"; waiting for the loader (data_wait) {100 * facts['data_wait']:.0f}%"
+    return text
 
 
 if __name__ == "__main__":
