@@ -151,20 +151,23 @@ def tree_cpu(pid: int) -> dict[str, float]:
 
 
 def run_marking_cpu(
-    cmd: list[str], env: dict, marks: list, timeout: float = 900
+    cmd: list[str], env: dict, marks: list[str], timeout: float = 900
 ) -> list[tuple[float, dict[str, float]] | None]:
-    """Runs cmd like `run`, and for each of `marks` (callables) takes (seconds since the start,
-    tree_cpu) at the first poll, every 0.1 s, where that mark holds (None if it never did)."""
-    with open(os.devnull, "w") as quiet, tempfile.TemporaryFile("w+") as err:
+    """Runs cmd like `run`, and for each of `marks` takes (seconds since the start, tree_cpu)
+    at the first poll, every 0.1 s, that finds the mark in cmd's output (None if it never came).
+    cmd should flush its lines as it writes them."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=quiet, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, text=True)
         taken: list = [None] * len(marks)
         while proc.poll() is None:
             if time.perf_counter() - start > timeout:
                 proc.kill()
                 raise RuntimeError(f"{' '.join(cmd)} ran past {timeout} s")
+            out.seek(0)
+            written = out.read()
             for i, mark in enumerate(marks):
-                if taken[i] is None and mark():
+                if taken[i] is None and mark in written:
                     taken[i] = (time.perf_counter() - start, tree_cpu(proc.pid))
             time.sleep(0.1)
         if proc.returncode != 0:

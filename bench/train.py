@@ -54,23 +54,19 @@ def ddptrain(root: Path, s: common.Scale, amp: str, epochs: list[dict]) -> float
     cores its training process and its loader workers used meanwhile (/proc): on a CPU run the
     workers decode on the cores the model computes on, which the bound keeps for itself."""
     with tempfile.TemporaryDirectory() as out:
-        metrics = Path(out) / "metrics.jsonl"
-
-        def written() -> int:  # a train and a val record an epoch
-            return len(metrics.read_text().splitlines()) if metrics.exists() else 0
-
-        before_last = 2 * (EPOCHS - 1)
-
+        # The measured epoch: from the line that ends the one before it (after its evaluation
+        # and checkpoint) to its own last step's line (before its evaluation).
         start, end = common.run_marking_cpu(
             common.python(
                 "-m", "ddptrain", "train", str(root), "-a", "resnet18", "-b", str(s.batch),
                 "-j", str(WORKERS), "--epochs", str(EPOCHS), "--image-size", str(s.image_size),
                 "--lr", lr(s), "--amp", amp, "--device", "cpu", "-p", "1000000", "--out-dir", out,
+                "--progress", "lines",
             ),
             common.subprocess_env(),
-            [lambda: written() >= before_last, lambda: written() > before_last],
+            [f"epoch {EPOCHS - 1}/{EPOCHS} done", f"epoch {EPOCHS}/{EPOCHS} ["],
         )  # fmt: skip
-        records = [json.loads(line) for line in metrics.open()]
+        records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
     last = [r for r in records if r["split"] == "train"][-1]
     facts = {"data_wait": round(last["data_wait"], 3)}
     if start and end and start[1] and end[1]:
