@@ -30,9 +30,9 @@ from bench import common
 WORKERS = 2
 # The last is measured. The first warms up (the train loader's workers start, kernels are
 # selected); the second meets the start of the val loader's workers at the first evaluation,
-# whose fork costs ddptrain's next training step about a second (copy-on-write of the training
-# process's pages; 1.6 against 0.65 s a step measured here), 9% of a 16-step epoch and a
-# one-time cost in a real run.
+# whose fork costs ddptrain's next training step about a second (1.6 against 0.65 s measured
+# here, 0.65 s with the val loader at 0 workers; most likely copy-on-write of the training
+# process's pages), 9% of a 16-step epoch and a one-time cost in a real run.
 EPOCHS = 3
 
 
