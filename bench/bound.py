@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from bench import common
 from ddptrain.config import Config
 from ddptrain.data.loaders import Data, build_data
 from ddptrain.dist.env import init_distributed
@@ -76,16 +77,13 @@ def train_epochs(
         parts = (config, env, feed, model, optimizer, scheduler, quiet, 0, precision, None)
         run = Run(*parts, stop, profiler=profiler)
         for e in range(epochs):
-            cpu, wall = _cpu_seconds(), time.perf_counter()
+            cpu, wall = common.cpu_seconds(resource.RUSAGE_SELF), time.perf_counter()
             rates.append(train_epoch(run, e, TrainState(epoch=e))["samples_per_sec"])
             if cores is not None:
-                cores.append((_cpu_seconds() - cpu) / (time.perf_counter() - wall))
+                cores.append(
+                    (common.cpu_seconds(resource.RUSAGE_SELF) - cpu) / (time.perf_counter() - wall)
+                )
     return rates
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)  # all of this process's threads
-    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:

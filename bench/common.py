@@ -126,8 +126,12 @@ def run(cmd: list[str], env: dict, timeout: float = 900) -> str:
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raise _failed(cmd, done.returncode, done.stderr)
     return done.stdout
+
+
+def _failed(cmd: list[str], code: int, stderr: str) -> RuntimeError:
+    return RuntimeError(f"{' '.join(cmd)} failed ({code}):\n{stderr[-3000:]}")
 
 
 def tree_cpu(pid: int) -> dict[str, float]:
@@ -172,7 +176,7 @@ def run_marking_cpu(
             time.sleep(0.1)
         if proc.returncode != 0:
             err.seek(0)
-            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err.read()[-3000:]}")
+            raise _failed(cmd, proc.returncode, err.read())
     return taken
 
 
@@ -190,13 +194,15 @@ def _busy_seconds() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_seconds(*whose: int) -> float:
+    """CPU seconds of `whose` (resource.RUSAGE_SELF: this process, all its threads;
+    RUSAGE_CHILDREN: its finished children, and theirs)."""
+    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, whose))
+
+
 def _own_seconds() -> float:
     """CPU seconds of this process and of its finished children (and theirs)."""
-    me, children = (
-        resource.getrusage(resource.RUSAGE_SELF),
-        resource.getrusage(resource.RUSAGE_CHILDREN),
-    )
-    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+    return cpu_seconds(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
 
 
 def wait_for_quiet(limit: float = 300, busy: float = 0.1) -> bool:
