@@ -45,9 +45,12 @@ def full_weights(checkpointer: Checkpointer):
     return flat(state) if checkpointer.env.is_main else None
 
 
-def train_epoch(env, root, out_dir, strategy, resume=None, sharded_format=False, wrapping=None):
+def train_epoch(
+    env, root, out_dir, strategy, resume=None, sharded_format=False, wrapping=None, nhwc=False
+):
     """One epoch (2 steps of global batch 12) from scratch or from `resume`, then a checkpoint
-    (a DCP folder with sharded_format); `wrapping`: more of wrap's options."""
+    (a DCP folder with sharded_format); `wrapping`: more of wrap's options; `nhwc`: the batches
+    in channels_last, as --channels-last lays them out."""
     out_dir.mkdir(exist_ok=True)
     config = Config(data=str(root), batch_size=12, workers=0, image_size=16)
     loaders = build_data(config, env, root, seed=11)
@@ -64,7 +67,7 @@ def train_epoch(env, root, out_dir, strategy, resume=None, sharded_format=False,
     loaders.train_sampler.set_epoch(state.epoch)
     step = Step(model, optimizer)
     for images, target in loaders.train_loader:
-        step(Precision().inputs(images, env.device), target)
+        step(Precision(channels_last=nhwc).inputs(images, env.device), target)
         state.global_step += 1
     state.epoch += 1
     checkpointer.save(state)
@@ -88,6 +91,12 @@ def test_fsdp_offloaded_and_kept_gathered_after_forward_trains_the_same(
     # live and when they are gathered, never the math.
     options = {"offload": True, "reshard_after_forward": False}
     weights = run_ranks(train_epoch, 2, tiny_data, tmp_path, "fsdp", None, False, options)[0]
+    torch.testing.assert_close(weights, first_epoch["ddp"][1], rtol=0, atol=1e-5)
+
+
+def test_fsdp_on_channels_last_batches_trains_the_same(first_epoch, tiny_data, tmp_path):
+    # --channels-last under fsdp: NHWC batches (so NHWC convolutions) over contiguous shards.
+    weights = run_ranks(train_epoch, 2, tiny_data, tmp_path, "fsdp", None, False, None, True)[0]
     torch.testing.assert_close(weights, first_epoch["ddp"][1], rtol=0, atol=1e-5)
 
 

@@ -129,7 +129,6 @@ def test_a_ddp_run_continues_under_fsdp(tiny_data, tmp_path):
 def test_fsdp_refuses_what_it_cannot_do(tiny_data, tmp_path):
     for extra, needle in [
         (("--compile",), "--compile is not supported with --strategy fsdp"),
-        (("--channels-last",), "--channels-last is not supported with --strategy fsdp"),
         (("--strategy", "zero3"), "--strategy must be one of ddp, fsdp"),
     ]:
         result = timed(lambda e=extra: ddptrain(*args(tiny_data, tmp_path / "x", *e)))

@@ -72,7 +72,8 @@ def wrap(
     fsdp with two or more ranks: sharded first, so that only shards stay on the device (host
     memory under `offload`), from rank 0's weights; the model may be built on the meta device on
     the other ranks (`builds_on_meta`). Sharding places each unit, so `place` is not called: the
-    device is all it would set, as fsdp refuses channels_last (resolve_precision).
+    parameters keep their contiguous layout, which FSDP2 shards (channels_last lays out the
+    batches alone, see precision).
     """
     assert strategy in STRATEGIES, strategy
     if env.distributed and strategy == "fsdp":

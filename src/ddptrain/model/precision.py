@@ -3,6 +3,13 @@
 bf16 autocast runs on CPUs (avx512_bf16, AMX) and GPUs; fp16 needs CUDA and a GradScaler. The
 default, auto, takes bf16 where the device has bf16 units and fp32 elsewhere. channels_last is
 on by default for convolutional models: the layout their fast kernels want.
+
+channels_last lays out the batches, and so every activation, in NHWC; `place` lays out the
+parameters too. Under fsdp on several ranks the parameters stay contiguous (FSDP2 shards
+contiguous parameters; sharding places them, not `place`): a convolution takes its layout from
+its input, so NHWC batches alone get the NHWC kernels (resnet18, bf16, 224 px, one process:
+54.7-60.2 samples/s with contiguous parameters and NHWC batches, 54.3-55.8 all NHWC, 39.8-42.6
+all contiguous).
 """
 
 import contextlib
@@ -145,10 +152,7 @@ def resolve_precision(
         amp, reason = auto_amp(device.type, bf16_units(device), config.seed is not None)
     channels_last = config.channels_last
     if config.strategy == "fsdp":
-        # FSDP2 shards contiguous parameters only; a resumed ddp run's layout gives way.
-        if channels_last and "channels_last" in config.given:
-            raise UserError("--channels-last is not supported with --strategy fsdp")
-        channels_last, saved = False, {**saved, "compile": False}
+        saved = {**saved, "compile": False}
     if channels_last is None:
         channels_last = saved.get("channels_last", _convolutional(model))
     compiled = config.compile if config.compile is not None else saved.get("compile", False)
