@@ -90,8 +90,8 @@ torchrun_check() {
 }
 
 # 4. --strategy fsdp on the one GPU a single process gets. With one process fsdp trains the
-# plain model (nothing to shard): this times that path, in NCHW, since ddptrain's fsdp shards
-# contiguous parameters only and refuses --channels-last (compare with step 2's channels_last).
+# plain model (nothing to shard): this times that path, channels_last by default as under ddp
+# (with several ranks, the batches alone: the shards stay contiguous, as FSDP2 shards them).
 torchrun_check fsdp-1 1 "${COMMON[@]}" -b "$BATCH" -j "$WORKERS" --strategy fsdp
 
 # 5. Two ranks, one GPU each, 256 images per GPU (-b is global): plain DDP, each comm hook, and

@@ -80,7 +80,7 @@ def _fake_model(request: dict, strategy: str, fake_mode: FakeTensorMode) -> nn.M
 
     Built on the meta device, so nothing is allocated or initialised; fsdp shards it there (its
     device mesh is made of real tensors, which fake mode would refuse); `to_empty` then gives it
-    fake parameters. Contiguous layout: FSDP2 refuses channels_last parameters, and the layout
+    fake parameters. Contiguous layout, as FSDP2 shards parameters, and the layout
     changes no tensor's size.
     """
     arch = request["arch"]
