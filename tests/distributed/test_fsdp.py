@@ -69,6 +69,8 @@ def train_epoch(
     for images, target in loaders.train_loader:
         step(Precision(channels_last=nhwc).inputs(images, env.device), target)
         state.global_step += 1
+    if is_sharded(model):  # NHWC batches leave the shards as FSDP2 keeps them
+        assert all(p.to_local().is_contiguous() for p in model.parameters())
     state.epoch += 1
     checkpointer.save(state)
     return full_weights(checkpointer)
