@@ -151,8 +151,6 @@ def resolve_precision(
     if amp == "auto":
         amp, reason = auto_amp(device.type, bf16_units(device), config.seed is not None)
     channels_last = config.channels_last
-    if config.strategy == "fsdp":
-        saved = {**saved, "compile": False}
     if channels_last is None:
         channels_last = saved.get("channels_last", _convolutional(model))
     compiled = config.compile if config.compile is not None else saved.get("compile", False)
