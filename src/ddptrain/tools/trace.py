@@ -80,8 +80,8 @@ def _fake_model(request: dict, strategy: str, fake_mode: FakeTensorMode) -> nn.M
 
     Built on the meta device, so nothing is allocated or initialised; fsdp shards it there (its
     device mesh is made of real tensors, which fake mode would refuse); `to_empty` then gives it
-    fake parameters. Contiguous layout, as FSDP2 shards parameters, and the layout
-    changes no tensor's size.
+    fake parameters. Contiguous layout, as fsdp keeps its shards (the layout
+    changes no tensor's size).
     """
     arch = request["arch"]
     model = _meta_model(arch, request["num_classes"], request["image_size"])
