@@ -117,8 +117,16 @@ def test_checkpoints_move_between_strategies_and_world_sizes(tiny_data, tmp_path
     from_ddp = first_epoch["ddp"][0] / "checkpoint.pt"
     from_fsdp = first_epoch["fsdp"][0] / "checkpoint.pt"
     reference = run_ranks(train_epoch, 2, tiny_data, tmp_path / "a", "ddp", from_ddp)[0]
+    # ddp under --channels-last holds its convolution weights, so saves them, in NHWC
+    channels_last = {"place": in_channels_last}
+    run_ranks(train_epoch, 2, tiny_data, tmp_path / "nhwc", "ddp", None, False, channels_last)
+    from_nhwc_ddp = tmp_path / "nhwc" / "checkpoint.pt"
+    assert load(from_nhwc_ddp)["model"]["conv1.weight"].is_contiguous(
+        memory_format=torch.channels_last
+    )
     resumed = {
         "ddp checkpoint, fsdp on 2": (2, "fsdp", from_ddp),
+        "channels_last ddp checkpoint, fsdp on 2": (2, "fsdp", from_nhwc_ddp),
         "fsdp checkpoint, ddp on 1": (1, "ddp", from_fsdp),
         "fsdp checkpoint, fsdp on 3": (3, "fsdp", from_fsdp),
     }
@@ -126,6 +134,10 @@ def test_checkpoints_move_between_strategies_and_world_sizes(tiny_data, tmp_path
         out_dir = tmp_path / str(i)
         weights = run_ranks(train_epoch, world, tiny_data, out_dir, strategy, resume)[0]
         torch.testing.assert_close(weights, reference, rtol=0, atol=1e-5, msg=name)
+
+
+def in_channels_last(model: nn.Module) -> nn.Module:
+    return model.to(memory_format=torch.channels_last)
 
 
 def built_and_sharded(env):

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 from ddptrain.dist.collectives import agree, broadcast_buffers
 from ddptrain.dist.env import DistEnv
@@ -107,8 +108,15 @@ class ModelState(Stateful):
 
     def _mine(self, state: dict) -> dict:
         """What this rank passes in: a copy (the call consumes the dict it is given); under fsdp
-        only rank 0's, which the load broadcasts to the shards."""
-        return dict(state) if self.env.is_main or not self.sharded else {}
+        only rank 0's, which the load broadcasts to the shards, every tensor contiguous. torch
+        (2.14, gloo) broadcasts a tensor's memory as it lies, and the other ranks receive it
+        into contiguous tensors: the channels_last weights (and momentum) of a ddp checkpoint
+        arrived there scrambled."""
+        if not self.sharded:
+            return dict(state)
+        if not self.env.is_main:
+            return {}
+        return tree_map_only(torch.Tensor, torch.Tensor.contiguous, state)
 
 
 class OptimizerState(ModelState):
