@@ -408,8 +408,6 @@ class Config:
             raise UserError(f"--clip-grad-norm must be positive, got {self.clip_grad_norm}")
         if self.strategy == "fsdp" and self.model_ema:
             raise UserError("--model-ema is not supported with --strategy fsdp yet")
-        if self.strategy == "fsdp" and self.compile:
-            raise UserError("--compile is not supported with --strategy fsdp; drop one of them")
         if self.evaluate and not (self.resume or self.pretrained):
             raise UserError("--evaluate needs weights: give --resume CKPT or --pretrained")
 

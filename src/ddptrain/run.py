@@ -33,6 +33,7 @@ from ddptrain.model.parallelize import (
     Communication,
     builds_on_meta,
     checkpoint_parts,
+    compile_model,
     is_sharded,
     unwrap,
     wrap,
@@ -174,7 +175,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
     )
     state = _restore(checkpointer, saved, scheduler, config, steps_per_epoch)
     if precision.compile:
-        model = torch.compile(model)
+        model = compile_model(model)
     with StopRequests(env) as stop:
         run = trainer.Run(
             config=config,

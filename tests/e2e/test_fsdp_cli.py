@@ -126,9 +126,25 @@ def test_a_ddp_run_continues_under_fsdp(tiny_data, tmp_path):
     assert training_state(out)["global_step"] == 6
 
 
+def test_a_compiled_ddp_run_continues_compiled_under_fsdp(tiny_data, tmp_path):
+    """--compile under both strategies: the saved --compile carries over, and fsdp's compiled
+    units (shapes kept static, see compile_model) train as ddp's compiled graph does."""
+    compiled_ddp, out = tmp_path / "ddp", tmp_path / "fsdp"
+    ok(torchrun(2, "train", *tiny_args(tiny_data, compiled_ddp), "--epochs", 2, "--compile"))
+    halfway = compiled_ddp / "checkpoint-000000003.pt"
+    fsdp = ("--strategy", "fsdp", "--epochs", 2, "--resume", halfway)
+    result = ok(torchrun(2, "train", *tiny_args(tiny_data, out), *fsdp))
+    assert f"resumed from {halfway}" in result.stdout
+    assert "compile True" in result.stdout
+    assert "recompile_limit" not in result.stderr  # every unit ran compiled
+    ddp_epoch, fsdp_epoch = (val_records(run)[-1] for run in (compiled_ddp, out))
+    assert fsdp_epoch["epoch"] == ddp_epoch["epoch"] == 2
+    assert fsdp_epoch["acc1"] == ddp_epoch["acc1"]
+    assert fsdp_epoch["loss"] == pytest.approx(ddp_epoch["loss"], rel=1e-5)
+
+
 def test_fsdp_refuses_what_it_cannot_do(tiny_data, tmp_path):
     for extra, needle in [
-        (("--compile",), "--compile is not supported with --strategy fsdp"),
         (("--strategy", "zero3"), "--strategy must be one of ddp, fsdp"),
     ]:
         result = timed(lambda e=extra: ddptrain(*args(tiny_data, tmp_path / "x", *e)))

@@ -23,6 +23,7 @@ from ddptrain.model import comm_hooks, fsdp
 
 STRATEGIES = ("ddp", "fsdp")
 ONE_BUCKET_MB = 1 << 20  # a bucket cap no model reaches
+SHARDED_RECOMPILE_LIMIT = 64  # compiled variants of one function under fsdp: see compile_model
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,26 @@ def no_gradient_sync(model: nn.Module):
             model.set_requires_gradient_sync(True)
     else:
         yield
+
+
+def compile_model(model: nn.Module) -> nn.Module:
+    """The wrapped model under torch.compile (--compile); `unwrap` finds the module under it.
+
+    ddp: one graph of the whole model, which DDP's optimizer splits at its buckets. fsdp:
+    FSDP2's hooks run outside the graph, so each shard unit is compiled on its own, and the
+    units of one class share one forward function, of which dynamo keeps a variant per shape
+    (ResNet's blocks come in several widths). Left to itself, dynamo makes the widths symbolic
+    at the second shape, and inductor then fails on BatchNorm's backward ("Cannot convert
+    expression to float", torch 2.14 on the CPU). So under fsdp shapes stay static, and a
+    function may keep 64 variants instead of dynamo's 8: resnet50 has 8 block shapes, each
+    compiled for training and for evaluation, and again for a smaller last batch. Past the
+    limit a unit would run uncompiled.
+    """
+    if not is_sharded(model):
+        return torch.compile(model)
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, SHARDED_RECOMPILE_LIMIT)
+    return torch.compile(model, dynamic=False)
 
 
 def is_sharded(model: nn.Module) -> bool:
