@@ -179,7 +179,7 @@ def checkpoint_parts(model: nn.Module, env: DistEnv) -> dict:
 def no_gradient_sync(model: nn.Module):
     """Backward without reducing gradients over the ranks: for all but the last micro-batch of
     an accumulated step, whose backward then reduces the sum once."""
-    model = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
+    model = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP or FSDP module
     if isinstance(model, DistributedDataParallel):
         with model.no_sync():
             yield
@@ -204,7 +204,8 @@ def compile_model(model: nn.Module) -> nn.Module:
     expression to float", torch 2.14 on the CPU). So under fsdp shapes stay static, and a
     function may keep 64 variants instead of dynamo's 8: resnet50 has 8 block shapes, each
     compiled for training and for evaluation, and again for a smaller last batch. Past the
-    limit a unit would run uncompiled.
+    limit a unit runs eager (dynamo warns). The limit is dynamo's process-wide setting: it
+    holds for anything else compiled in this process.
     """
     if not is_sharded(model):
         return torch.compile(model)

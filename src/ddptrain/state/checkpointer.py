@@ -108,10 +108,10 @@ class ModelState(Stateful):
 
     def _mine(self, state: dict) -> dict:
         """What this rank passes in: a copy (the call consumes the dict it is given); under fsdp
-        only rank 0's, which the load broadcasts to the shards, every tensor contiguous. torch
-        (2.14, gloo) broadcasts a tensor's memory as it lies, and the other ranks receive it
-        into contiguous tensors: the channels_last weights (and momentum) of a ddp checkpoint
-        arrived there scrambled."""
+        only rank 0's, which the load broadcasts to the shards, every tensor contiguous.
+        broadcast_from_rank0 (torch 2.14, on any backend) sends a tensor's memory as it lies,
+        and the other ranks receive it into contiguous tensors: the channels_last weights (and
+        momentum) of a ddp checkpoint arrived there scrambled."""
         if not self.sharded:
             return dict(state)
         if not self.env.is_main:
