@@ -406,8 +406,6 @@ class Config:
             )
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UserError(f"--clip-grad-norm must be positive, got {self.clip_grad_norm}")
-        if self.strategy == "fsdp" and self.model_ema:
-            raise UserError("--model-ema is not supported with --strategy fsdp yet")
         if self.evaluate and not (self.resume or self.pretrained):
             raise UserError("--evaluate needs weights: give --resume CKPT or --pretrained")
 

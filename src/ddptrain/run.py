@@ -10,6 +10,7 @@ Setup runs in three phases so that a user error on any rank ends every rank:
    shards), restore the checkpoint into them.
 """
 
+import copy
 import os
 import random
 import secrets
@@ -35,6 +36,7 @@ from ddptrain.model.parallelize import (
     checkpoint_parts,
     compile_model,
     is_sharded,
+    shards,
     unwrap,
     wrap,
 )
@@ -128,6 +130,9 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
             origin = "" if config.pretrained is True else f" from {config.pretrained}"
             reporter.info(f"pretrained {config.arch}{origin}: new weights for {', '.join(fresh)}")
     parameters = sum(p.numel() for p in model.parameters())
+    # Under fsdp the EMA averages into a twin of the model, sharded alike: copied before
+    # sharding, as FSDP2 refuses to copy a sharded model.
+    twin = copy.deepcopy(model) if config.model_ema and shards(env, config.strategy) else None
     model = wrap(
         model,
         env,
@@ -153,7 +158,16 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         crowded = too_many_workers(config.workers, env.local_world_size, usable_cores())
         if crowded:
             reporter.warn(crowded)
-    ema = build_ema(unwrap(model), config, steps_per_epoch)
+    if twin is not None:
+        twin = wrap(
+            twin,
+            env,
+            strategy=config.strategy,
+            arch=config.arch,
+            amp_dtype=DTYPES[precision.amp],
+            offload=config.fsdp_offload,
+        )
+    ema = build_ema(unwrap(model), config, env, steps_per_epoch, averaged=twin)
     summary = start_summary(config, env, loaders, precision, parameters, steps_per_epoch, resume)
     meta, record = _records(config, env, loaders, precision, seed, summary)
     parts = training_parts(

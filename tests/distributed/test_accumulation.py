@@ -1,6 +1,8 @@
 """Gradient accumulation and clipping on real gloo ranks: the same step as the full batch on
 one process."""
 
+import copy
+
 import pytest
 import torch
 from harness import run_ranks
@@ -31,8 +33,7 @@ def batch():
 def steps(env, accum_steps, clip=None, count=3, strategy="ddp", ema_decay=None):
     """`count` optimizer steps over this rank's slice of the same global batch: the weights
     after them, or with ema_decay, their average (--model-ema) over the steps."""
-    model = wrap(bn_free_model(), env, strategy=strategy)
-    ema = None if ema_decay is None else ModelEma(unwrap(model), ema_decay)
+    model, ema = with_ema(bn_free_model(), env, strategy, ema_decay)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     step = Step(model, optimizer, accum_steps=accum_steps, clip_grad_norm=clip)
     images, target = my_slice(env, *batch())
@@ -42,6 +43,16 @@ def steps(env, accum_steps, clip=None, count=3, strategy="ddp", ema_decay=None):
             ema.update(unwrap(model), global_step)
     kept = unwrap(model) if ema is None else ema.module
     return torch.cat([whole(p).detach().flatten() for p in kept.parameters()])
+
+
+def with_ema(plain, env, strategy, ema_decay):
+    """The model wrapped for `strategy` and, with ema_decay, its EMA as run.py builds it: under
+    fsdp into a twin sharded alike."""
+    twin = copy.deepcopy(plain) if ema_decay is not None and strategy == "fsdp" else None
+    model = wrap(plain, env, strategy=strategy)
+    averaged = None if twin is None else wrap(twin, env, strategy=strategy)
+    ema = None if ema_decay is None else ModelEma(unwrap(model), env, ema_decay, averaged=averaged)
+    return model, ema
 
 
 def my_slice(env, images, target):
@@ -105,6 +116,48 @@ def test_the_average_of_the_weights_on_two_ranks_equals_one_process():
     assert not torch.allclose(single, run_ranks(steps, 1, 1)[0], atol=1e-4)  # averaged
     assert torch.equal(first, second)
     torch.testing.assert_close(first, single, rtol=0, atol=1e-5)
+
+
+def test_the_average_under_fsdp_is_the_average_under_ddp():
+    """Each fsdp rank averages its shards into the twin's shards: after each step the averaged
+    model's output (an evaluation gathers the new average, not the one gathered before) and
+    its weights at the end are ddp's."""
+    ddp = run_ranks(_evaluated_average, 2, "ddp")
+    fsdp = run_ranks(_evaluated_average, 2, "fsdp")
+    assert torch.equal(ddp[0][1], ddp[1][1]) and torch.equal(fsdp[0][1], fsdp[1][1])
+    for (ddp_outputs, ddp_weights), (fsdp_outputs, fsdp_weights) in zip(ddp, fsdp, strict=True):
+        torch.testing.assert_close(fsdp_outputs, ddp_outputs, rtol=0, atol=1e-5)
+        torch.testing.assert_close(fsdp_weights, ddp_weights, rtol=0, atol=1e-5)
+    assert not torch.allclose(ddp[0][0][0], ddp[0][0][-1], atol=1e-4)  # the average moved
+
+
+class Headed(nn.Module):
+    """A BatchNorm-free model whose head stays in fsdp's root unit (fsdp.shard_units takes the
+    children of `features`), which FSDP keeps gathered after a forward without backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def _evaluated_average(env, strategy):
+    model, ema = with_ema(Headed(), env, strategy, 0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    step = Step(model, optimizer)
+    images, target = my_slice(env, *batch())
+    outputs = []
+    for global_step in range(1, 5):
+        step(images, target)
+        ema.update(unwrap(model), global_step)
+        with torch.no_grad():
+            outputs.append(ema.module.eval()(images))
+    weights = torch.cat([whole(p).detach().flatten() for p in ema.module.parameters()])
+    return torch.stack(outputs), weights
 
 
 def test_no_gradient_sync_reaches_ddp_under_torch_compile():

@@ -192,9 +192,10 @@ def training_state(out_dir) -> dict:
     return torch.load(out_dir / "checkpoint.pt", weights_only=True)
 
 
-def val_records(out_dir) -> list[dict]:
+def val_records(out_dir, split: str = "val") -> list[dict]:
+    """The metrics.jsonl records of `split` ("val", or "val_ema" for the EMA's)."""
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["split"] == "val"]
+    return [r for r in map(json.loads, lines) if r["split"] == split]
 
 
 def _flat_optimizer(ckpt: dict) -> dict[str, torch.Tensor]:
@@ -202,17 +203,23 @@ def _flat_optimizer(ckpt: dict) -> dict[str, torch.Tensor]:
 
 
 def assert_same_training(a_dir, b_dir, epochs_in_b: int | None = None) -> None:
-    """Bitwise the same model, optimizer, schedule and progress, and the same val records (of the
-    last `epochs_in_b` epochs, where b_dir's run resumed another out-dir's checkpoint)."""
+    """Bitwise the same model, optimizer, schedule, progress and EMA (with --model-ema), and the
+    same val records (of the last `epochs_in_b` epochs, where b_dir's run resumed another
+    out-dir's checkpoint)."""
     a, b = training_state(a_dir), training_state(b_dir)
     assert (a["epoch"], a["global_step"]) == (b["epoch"], b["global_step"])
     assert_same_weights(a["model"], b["model"])
     assert_same_weights(_flat_optimizer(a), _flat_optimizer(b))
     assert a["scheduler"] == b["scheduler"] and a["best_acc1"] == b["best_acc1"]
-    expected = val_records(a_dir)
-    if epochs_in_b is not None:
-        expected = expected[len(expected) - epochs_in_b :]
-    assert expected == val_records(b_dir)
+    assert ("model_ema" in a) == ("model_ema" in b)
+    if "model_ema" in a:
+        assert_same_weights(a["model_ema"]["model"], b["model_ema"]["model"])
+        assert a["model_ema"]["updates"] == b["model_ema"]["updates"]
+    for split in ("val", "val_ema"):
+        expected = val_records(a_dir, split)
+        if epochs_in_b is not None:
+            expected = expected[len(expected) - epochs_in_b :]
+        assert expected == val_records(b_dir, split)
 
 
 def copy_run(run: Path, to: Path) -> Path:

@@ -148,6 +148,30 @@ def test_a_compiled_ddp_run_continues_compiled_under_fsdp(tiny_data, tmp_path):
     assert fsdp_epoch["loss"] == pytest.approx(ddp_epoch["loss"], rel=1e-5)
 
 
+# An average that moves at every step; lr 0.001 and contiguous batches: ddp and fsdp then agree
+# bitwise on 16 px images (channels_last's roundoff grows through BatchNorm on batches of 4).
+EMA = ("--model-ema", "--model-ema-decay", 0.7, "--model-ema-steps", 1, "--lr", 0.001)
+EMA += ("--no-channels-last",)
+
+
+def test_an_fsdp_ema_is_ddp_s_and_restarts_bitwise_from_its_shards(tiny_data, tmp_path):
+    """--model-ema under fsdp: the average's val records are ddp's; in the sharded format, a
+    killed rank restarts from the EMA's shards and the run ends bitwise equal."""
+    ddp, fsdp, killed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "killed"
+    ok(torchrun(2, *args(tiny_data, ddp, *EMA, "--strategy", "ddp")))
+    ok(torchrun(2, *args(tiny_data, fsdp, *EMA, *SHARDED)))
+    assert len(val_records(fsdp, "val_ema")) == 2
+    assert val_records(fsdp, "val_ema") == val_records(ddp, "val_ema")
+    assert training_state(fsdp)["model_ema"]["updates"] == 6
+
+    marker = tmp_path / "kill-marker"
+    env = {"DDPTRAIN_TEST_KILL": "data:1:5", "DDPTRAIN_TEST_KILL_ONCE": str(marker)}
+    result = ok(torchrun(2, *args(tiny_data, killed, *EMA, *SHARDED), env=env, restarts=2))
+    assert marker.exists(), "the fault never fired"
+    assert f"resumed from {killed}/checkpoint-000000004.dcp" in result.stdout
+    assert_same_training(fsdp, killed)
+
+
 def test_fsdp_refuses_what_it_cannot_do(tiny_data, tmp_path):
     result = timed(lambda: ddptrain(*args(tiny_data, tmp_path / "x", "--strategy", "zero3")))
     assert_user_error(result, "--strategy must be one of ddp, fsdp")

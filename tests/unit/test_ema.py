@@ -7,7 +7,10 @@ import torch
 from torch import nn
 
 from ddptrain.config import Config
+from ddptrain.dist.env import DistEnv
 from ddptrain.train.ema import ModelEma, build_ema
+
+ONE = DistEnv(0, 1, 0, 1, torch.device("cpu"))
 
 
 def net(seed=0):
@@ -31,7 +34,7 @@ def float_state(model):
 
 def test_update_is_decay_times_average_plus_the_rest_times_the_weights():
     model = net()
-    ema = ModelEma(model, decay=0.9)
+    ema = ModelEma(model, ONE, decay=0.9)
     train_step(model, 1)
     ema.update(model, step=1)  # the first update copies
     expected = float_state(model)
@@ -49,8 +52,8 @@ def test_update_is_decay_times_average_plus_the_rest_times_the_weights():
 
 def test_every_k_steps_with_decay_to_the_k():
     model = net()
-    ema = ModelEma(model, decay=0.9, every=3)
-    reference = ModelEma(net(), decay=0.9**3)
+    ema = ModelEma(model, ONE, decay=0.9, every=3)
+    reference = ModelEma(net(), ONE, decay=0.9**3)
     for step in range(1, 10):
         train_step(model, step)
         ema.update(model, step)
@@ -63,7 +66,7 @@ def test_every_k_steps_with_decay_to_the_k():
 
 def test_during_warmup_the_average_is_the_current_model():
     model = net()
-    ema = ModelEma(model, decay=0.99, warmup_steps=3)
+    ema = ModelEma(model, ONE, decay=0.99, warmup_steps=3)
     for step in range(1, 5):
         train_step(model, step)
         ema.update(model, step)
@@ -83,7 +86,7 @@ def saved(ema) -> dict:
 def test_checkpoint_round_trip_continues_bitwise():
     config = Config(model_ema=True, model_ema_decay=0.95, model_ema_steps=2)
     model = net()
-    uninterrupted = build_ema(model, config, steps_per_epoch=10)
+    uninterrupted = build_ema(model, config, ONE, steps_per_epoch=10)
     for step in range(1, 8):
         train_step(model, step)
         uninterrupted.update(model, step)
@@ -92,7 +95,7 @@ def test_checkpoint_round_trip_continues_bitwise():
             weights = {k: v.clone() for k, v in model.state_dict().items()}
     resumed_model = net(seed=1)
     resumed_model.load_state_dict(weights)
-    resumed = build_ema(net(seed=2), config, steps_per_epoch=10)
+    resumed = build_ema(net(seed=2), config, ONE, steps_per_epoch=10)
     resumed.load_state_dict(state)
     for step in range(6, 8):
         train_step(resumed_model, step)
@@ -103,13 +106,13 @@ def test_checkpoint_round_trip_continues_bitwise():
 
 
 def test_its_state_is_a_plain_model_state_dict():
-    ema = ModelEma(net(), decay=0.9)
+    ema = ModelEma(net(), ONE, decay=0.9)
     state = saved(ema)
     assert set(state["model"]) == set(net().state_dict())  # no "module." prefix
     net(seed=3).load_state_dict(state["model"], strict=True)
 
 
 def test_off_by_default():
-    assert build_ema(net(), Config(), steps_per_epoch=5) is None
-    ema = build_ema(net(), Config(model_ema=True, lr_warmup_epochs=1.5), steps_per_epoch=4)
+    assert build_ema(net(), Config(), ONE, steps_per_epoch=5) is None
+    ema = build_ema(net(), Config(model_ema=True, lr_warmup_epochs=1.5), ONE, steps_per_epoch=4)
     assert (ema.every, ema.warmup_steps) == (32, 6)

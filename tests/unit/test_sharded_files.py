@@ -143,7 +143,7 @@ def test_a_full_disk_while_committing_is_one_line_and_leaves_no_temp_folder(
 def ema_checkpointer(out_dir, model, optimizer, scheduler):
     from ddptrain.train.ema import ModelEma
 
-    ema = ModelEma(model, decay=0.5)
+    ema = ModelEma(model, ONE, decay=0.5)
     ema.update(model, 1)  # the first update copies the weights
     with torch.no_grad():
         for p in model.parameters():
@@ -168,6 +168,32 @@ def test_when_the_ema_scored_best_model_best_holds_its_weights(tmp_path):
     assert not raw["model"]["fc.weight"].equal(best["model"]["fc.weight"])
     assert raw["model"]["fc.weight"].equal(model.state_dict()["fc.weight"])
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_the_ema_is_written_as_shards_and_restored_from_them(tmp_path):
+    model, optimizer, scheduler = trained_model()
+    saver, ema = ema_checkpointer(tmp_path, model, optimizer, scheduler)
+    saver.save(TrainState(epoch=1, global_step=10))
+    folder = tmp_path / "checkpoint-000000010.dcp"
+    assert "model_ema" not in files.safe_load(folder / sharded.STATE, "state")
+    assert files.resolve("auto", tmp_path) == folder  # --resume auto reads past the EMA's shards
+    model, optimizer, scheduler = trained_model()
+    restored, twin = ema_checkpointer(tmp_path, model, optimizer, scheduler)
+    restored.restore(sharded.read(folder))
+    assert twin.updates == ema.updates == 2
+    for name, tensor in ema.module.state_dict().items():
+        assert twin.module.state_dict()[name].equal(tensor), name
+    assert sharded.to_single(folder)["model_ema"]["updates"] == 2
+
+
+def test_an_ema_with_non_finite_weights_is_not_saved(tmp_path):
+    model, optimizer, scheduler = trained_model()
+    saver, ema = ema_checkpointer(tmp_path, model, optimizer, scheduler)
+    with torch.no_grad():
+        ema.module.fc.bias[0] = float("nan")
+    with pytest.raises(UserError, match="not finite at global step 10"):
+        saver.save(TrainState(epoch=1, global_step=10))
+    assert not files.numbered(tmp_path)
 
 
 def test_a_full_disk_on_an_ema_best_leaves_the_earlier_best(saved, monkeypatch):

@@ -97,9 +97,13 @@ class ModelState(Stateful):
         if isinstance(state, sharded.Stored):
             own = self.local_state_dict()
             state.load_into(own)
-            self._set(own, StateDictOptions())
+            self.set_local(own)
         else:
             self._set(self._mine(state), _loading(self.sharded))
+
+    def set_local(self, state: dict) -> None:
+        """Loads a local_state_dict() (this rank's shards under fsdp)."""
+        self._set(state, StateDictOptions())
 
     def _set(self, state: dict, options: StateDictOptions) -> None:
         full = options.full_state_dict or options.broadcast_from_rank0
@@ -234,17 +238,21 @@ class Checkpointer:
 
     def _save_sharded(self, state: TrainState, is_best: bool) -> None:
         broadcast_buffers(self.model, self.env)  # as in gather
-        tensors = {name: self.parts[name].local_state_dict() for name in sharded.SHARDED_PARTS}
+        tensors = {
+            name: self.parts[name].local_state_dict()
+            for name in sharded.SHARDED_PARTS
+            if name in self.parts
+        }
         rest = self._contents(
             {n: p.state_dict() for n, p in self.parts.items() if n not in tensors}, state
         )
 
         # model_best.dcp holds the weights that scored best (files.best_copy): when they are the
-        # EMA's, which only ddp runs have (the same whole copy on every rank), it is written apart.
+        # EMA's, it is written apart, with the EMA's shards as its model.
         best_apart = is_best and state.best_model == "model_ema"
 
         def prepare() -> None:
-            _check_finite({"model": _local(tensors["model"])}, state)  # each rank its shards
+            _check_finite(_local_weights(tensors), state)  # each rank its shards
             if self.env.is_main:
                 sharded.prepare(self.out_dir, state.global_step, best_apart)
 
@@ -252,7 +260,7 @@ class Checkpointer:
         self.mark("checkpoint: writing")
         sharded.write_shards(tensors, sharded.temp_folder(self.out_dir, state.global_step))
         if best_apart:
-            ema = {**tensors, "model": rest["model_ema"]["model"]}
+            ema = {**tensors, "model": tensors["model_ema"]["model"]}
             sharded.write_shards(ema, sharded.best_temp_folder(self.out_dir))
 
         def commit() -> None:
@@ -276,6 +284,15 @@ class Checkpointer:
             if name in checkpoint and name not in skip:
                 part.load_state_dict(checkpoint[name])
         return TrainState.from_checkpoint(checkpoint)
+
+
+def _local_weights(tensors: dict) -> dict:
+    """The model's and the EMA's weights in this rank's own parts, as weights_finite reads a
+    checkpoint."""
+    weights = {"model": _local(tensors["model"])}
+    if "model_ema" in tensors:
+        weights["model_ema"] = {"model": _local(tensors["model_ema"]["model"])}
+    return weights
 
 
 def _local(state: dict) -> dict:

@@ -251,7 +251,8 @@ def resolve(
 
 def weights_finite(checkpoint: dict) -> bool:
     """Whether every floating-point tensor of the model (and its EMA) is finite."""
-    states = [checkpoint.get("model", {}), checkpoint.get("model_ema", {}).get("model", {})]
+    ema = checkpoint.get("model_ema", {})
+    states = [checkpoint.get("model", {}), ema.get("model", {}) if isinstance(ema, dict) else ema]
     # A sharded checkpoint's weights stay on disk (each rank checked its own before the save).
     states = [state for state in states if isinstance(state, dict)]
     return all(

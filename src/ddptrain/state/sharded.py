@@ -2,14 +2,14 @@
 the shards it holds, so no host ever gathers the whole model.
 
 `checkpoint-<global step>.dcp/` holds torch.distributed.checkpoint's shard files and `.metadata`
-(the model and optimizer, as the ranks hold them) and `state.pt`: everything else of the
-checkpoint (counters, scheduler, run metadata), small plain data that rank 0 writes. A save goes
-into a temp folder renamed into place once every rank's shards and state.pt are in it, so a
-crash or a failed write never leaves a partial checkpoint under a checkpoint's name.
-`checkpoint.dcp` links to the newest, `model_best.dcp` is a copy; when the EMA of the weights
-scored best (ddp runs only), it is written apart with the EMA's weights as its model, as
-files.best_copy does for the single file. DCP reshards on load: a folder saved on N ranks resumes
-on any number, under fsdp or ddp.
+(the model, the optimizer and the EMA of the weights, as the ranks hold them) and `state.pt`:
+everything else of the checkpoint (counters, scheduler, run metadata), small plain data that
+rank 0 writes. A save goes into a temp folder renamed into place once every rank's shards and
+state.pt are in it, so a crash or a failed write never leaves a partial checkpoint under a
+checkpoint's name. `checkpoint.dcp` links to the newest, `model_best.dcp` is a copy; when the EMA
+scored best, it is written apart with the EMA's weights as its model, as files.best_copy does
+for the single file. DCP reshards on load: a folder saved on N ranks resumes on any number,
+under fsdp or ddp.
 
 A checkpoint folder is a file a user hands us, and DCP reads `.metadata` with plain pickle and its
 non-tensor items with torch.load(weights_only=False): both go through readers here that accept
@@ -40,8 +40,9 @@ from ddptrain.state import files
 SUFFIX = ".dcp"
 STATE, METADATA = "state.pt", ".metadata"
 LATEST, BEST = f"checkpoint{SUFFIX}", f"model_best{SUFFIX}"
-# The parts DCP writes shard by shard; the rest of a checkpoint goes in state.pt.
-SHARDED_PARTS = ("model", "optimizer")
+# The parts DCP writes shard by shard (those a run has); the rest of a checkpoint goes in
+# state.pt. Checkpoints written before the EMA's weights were sharded hold it in state.pt.
+SHARDED_PARTS = ("model", "optimizer", "model_ema")
 
 _ALLOWED = {
     ("torch", "Size"),
@@ -116,7 +117,7 @@ class Stored:
     of this process's own layout (DCP reshards), and the full shapes check_fits compares."""
 
     folder: Path
-    part: str  # "model" or "optimizer"
+    part: str  # one of SHARDED_PARTS
     metadata: dcp_metadata.Metadata
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -160,7 +161,13 @@ def read(folder: Path) -> dict:
     checkpoint = files.safe_load(state_path, "ddptrain checkpoint")
     if not isinstance(checkpoint, dict):
         raise UserError(f"{state_path} is not a ddptrain checkpoint")
-    return {**checkpoint, **{part: Stored(folder, part, metadata) for part in SHARDED_PARTS}}
+    return {**checkpoint, **{part: Stored(folder, part, metadata) for part in _parts(metadata)}}
+
+
+def _parts(metadata: dcp_metadata.Metadata) -> list[str]:
+    """The SHARDED_PARTS a folder holds."""
+    saved = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    return [part for part in SHARDED_PARTS if part in saved]
 
 
 def temp_folder(out_dir: Path, global_step: int) -> Path:
@@ -338,7 +345,7 @@ def to_single(folder: Path) -> dict:
         for part in parents:
             container = container.setdefault(part, {})
         container[last] = value
-    return {**checkpoint, **{part: _with_lists(nested[part]) for part in SHARDED_PARTS}}
+    return {**checkpoint, **{part: _with_lists(nested[part]) for part in _parts(metadata)}}
 
 
 def _with_lists(value):

@@ -1,9 +1,12 @@
 """An exponential moving average of the weights and buffers (--model-ema), on every rank.
 
-torch's `AveragedModel` with `get_ema_multi_avg_fn` does the averaging; buffers are averaged
-too (use_buffers=True), so BatchNorm statistics follow the averaged weights, as in
-torchvision's references. Every rank keeps the same average of the same weights (DDP keeps
-them equal), so the EMA model can be evaluated over each rank's val shard like the raw one.
+torch's `get_ema_multi_avg_fn` does the averaging, of the buffers too, so BatchNorm statistics
+follow the averaged weights, as in torchvision's references. Each rank averages what it holds:
+under ddp a whole copy (DDP keeps the weights equal on every rank), under fsdp its shards, into
+a twin of the model sharded alike, which is evaluated and saved as the model is. Not torch's
+`AveragedModel`: it deep-copies the model, which FSDP2 refuses, and averages the parameters and
+buffers in one call, which fails when the parameters are DTensors and the buffers plain tensors.
+Evaluation and checkpoints use rank 0's averaged buffers, as they use rank 0's own.
 
 What the decay means: --model-ema-decay D is the decay per optimizer step. -b is the global
 batch, so an optimizer step consumes the same samples at any world size and D averages over the
@@ -18,57 +21,116 @@ current weights, as torchvision's references reset theirs in the warmup epochs: 
 the random initial weights would take 1 / (1 - D) steps to forget.
 """
 
+import copy
+from collections import defaultdict
+
 import torch
 from torch import nn
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from ddptrain.config import Config
+from ddptrain.dist.collectives import broadcast_buffers
+from ddptrain.dist.env import DistEnv
+from ddptrain.model.parallelize import is_sharded
+from ddptrain.state import sharded
+from ddptrain.state.checkpointer import ModelState
 
 
 class ModelEma:
-    def __init__(self, model: nn.Module, decay: float, every: int = 1, warmup_steps: int = 0):
-        """model: the unwrapped model, on its device and in its memory format (copied)."""
+    def __init__(
+        self,
+        model: nn.Module,
+        env: DistEnv,
+        decay: float,
+        every: int = 1,
+        warmup_steps: int = 0,
+        averaged: nn.Module | None = None,
+    ):
+        """model: the trained model, unwrapped (placed; under fsdp, sharded). averaged: the
+        module that holds the average, shaped as model: by default a deep copy of it; under
+        fsdp a twin sharded alike (run.py), its weights replaced at the first update."""
         assert every >= 1
-        self.every, self.warmup_steps = every, warmup_steps
-        self.averaged = AveragedModel(
-            model, multi_avg_fn=get_ema_multi_avg_fn(decay**every), use_buffers=True
-        )
-        self.averaged.eval()  # never trained; evaluate() sets the mode anyway
-
-    @property
-    def module(self) -> nn.Module:
-        """The averaged model: evaluate it, or save its state dict as a model's."""
-        return self.averaged.module
+        self.env, self.every, self.warmup_steps = env, every, warmup_steps
+        self.module = copy.deepcopy(model) if averaged is None else averaged
+        self.module.eval()  # never trained; evaluate() sets the mode anyway
+        self.average = get_ema_multi_avg_fn(decay**every)
+        self.updates = 0
+        self.weights = ModelState(self.module, env, is_sharded(self.module))
 
     @torch.no_grad()
     def update(self, model: nn.Module, step: int) -> None:
         """After optimizer step number `step` (counted from 1 over the whole run, like the
-        checkpoint's global_step), with the unwrapped model that step updated. Every rank.
-
-        On CUDA, AveragedModel copies its update counter to the device at each update, a host
-        synchronisation every --model-ema-steps steps."""
+        checkpoint's global_step), with the unwrapped model that step updated. Every rank."""
         if step % self.every:
             return
         if step <= self.warmup_steps:
-            self.averaged.n_averaged.zero_()  # the next update copies the weights
-        self.averaged.update_parameters(model)
+            self.updates = 0  # this update copies the weights
+        groups = defaultdict(lambda: ([], []))  # torch's foreach takes one dtype per call
+        for mine, theirs in zip(_held(self.module), _held(model), strict=True):
+            if self.updates == 0:
+                mine.copy_(theirs)
+            else:
+                averaged, current = groups[mine.dtype]
+                averaged.append(mine)
+                current.append(theirs)
+        for averaged, current in groups.values():
+            self.average(averaged, current, None)
+        self.updates += 1
 
     def state_dict(self) -> dict:
-        """{"model": the averaged model's plain state dict (keys as the model's own, no wrapper
-        prefix), "updates": how many updates it has had}: loadable with weights_only=True."""
-        return {
-            "model": {k: v.detach() for k, v in self.module.state_dict().items()},
-            "updates": int(self.averaged.n_averaged),
-        }
+        """{"model": the averaged model's plain state dict (keys as the model's own, whole, on
+        rank 0), "updates": how many updates it has had}: loadable with weights_only=True. A
+        collective."""
+        broadcast_buffers(self.module, self.env)  # rank 0's, as evaluation uses them
+        return {"model": self.weights.state_dict(), "updates": self.updates}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"], strict=True)
-        self.averaged.n_averaged.fill_(int(state["updates"]))
+    def local_state_dict(self) -> dict:
+        """As this rank holds it, for a sharded checkpoint: its shards under fsdp."""
+        broadcast_buffers(self.module, self.env)
+        return {"model": self.weights.local_state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state) -> None:
+        """A state_dict() (rank 0's is broadcast under fsdp), or a sharded checkpoint's part
+        read into this rank's own layout. A collective."""
+        if isinstance(state, sharded.Stored):
+            own = self.local_state_dict()
+            state.load_into(own)
+            self.weights.set_local(own["model"])
+        else:
+            own = state
+            self.weights.load_state_dict(state["model"])
+        self.updates = int(own["updates"])
 
 
-def build_ema(model: nn.Module, config: Config, steps_per_epoch: int) -> ModelEma | None:
-    """The run's EMA with --model-ema, else None. model: the unwrapped, placed model."""
+def _held(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers as this rank holds them: a DTensor's local shard.
+
+    FSDP keeps the root's parameters gathered after a forward without backward (the EMA's, in
+    an evaluation), and a gathered module's parameters are the whole tensors: resharded first
+    (nothing to do when sharded), so the next forward gathers the new average."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return [
+        t.to_local() if isinstance(t, DTensor) else t
+        for t in (*model.parameters(), *model.buffers())
+    ]
+
+
+def build_ema(
+    model: nn.Module,
+    config: Config,
+    env: DistEnv,
+    steps_per_epoch: int,
+    averaged: nn.Module | None = None,
+) -> ModelEma | None:
+    """The run's EMA with --model-ema, else None. model: the unwrapped, placed model;
+    averaged: under fsdp, its twin sharded alike."""
     if not config.model_ema:
         return None
     warmup_steps = round(config.lr_warmup_epochs * steps_per_epoch)
-    return ModelEma(model, config.model_ema_decay, config.model_ema_steps, warmup_steps)
+    return ModelEma(
+        model, env, config.model_ema_decay, config.model_ema_steps, warmup_steps, averaged
+    )
