@@ -177,13 +177,34 @@ def test_the_ema_is_written_as_shards_and_restored_from_them(tmp_path):
     folder = tmp_path / "checkpoint-000000010.dcp"
     assert "model_ema" not in files.safe_load(folder / sharded.STATE, "state")
     assert files.resolve("auto", tmp_path) == folder  # --resume auto reads past the EMA's shards
-    model, optimizer, scheduler = trained_model()
-    restored, twin = ema_checkpointer(tmp_path, model, optimizer, scheduler)
-    restored.restore(sharded.read(folder))
-    assert twin.updates == ema.updates == 2
-    for name, tensor in ema.module.state_dict().items():
-        assert twin.module.state_dict()[name].equal(tensor), name
+    assert_restores(ema, folder)
     assert sharded.to_single(folder)["model_ema"]["updates"] == 2
+
+
+def test_a_folder_with_the_ema_in_its_state_file_still_restores(tmp_path, monkeypatch):
+    """As folders were written before the EMA's weights went into the shards."""
+    model, optimizer, scheduler = trained_model()
+    saver, ema = ema_checkpointer(tmp_path, model, optimizer, scheduler)
+    with monkeypatch.context() as earlier:
+        earlier.setattr(sharded, "SHARDED_PARTS", ("model", "optimizer"))
+        saver.save(TrainState(epoch=1, global_step=10))
+    folder = tmp_path / "checkpoint-000000010.dcp"
+    assert "model_ema" in files.safe_load(folder / sharded.STATE, "state")
+    assert_restores(ema, folder)
+
+
+def assert_restores(ema, folder):
+    """The EMA saved in `folder`, restored into another EMA, is `ema` again."""
+    model, optimizer, scheduler = trained_model()
+    restorer, other = ema_checkpointer(folder.parent, model, optimizer, scheduler)
+    other.updates = 0
+    with torch.no_grad():
+        for p in other.module.parameters():
+            p.add_(1.0)  # another average, before the restore
+    restorer.restore(sharded.read(folder))
+    assert other.updates == ema.updates == 2
+    for name, tensor in ema.module.state_dict().items():
+        assert other.module.state_dict()[name].equal(tensor), name
 
 
 def test_an_ema_with_non_finite_weights_is_not_saved(tmp_path):
