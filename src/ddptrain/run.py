@@ -10,7 +10,6 @@ Setup runs in three phases so that a user error on any rank ends every rank:
    shards), restore the checkpoint into them.
 """
 
-import copy
 import os
 import random
 import secrets
@@ -29,6 +28,7 @@ from ddptrain.dist.env import DistEnv, SpawnSlot, init_distributed, teardown_dis
 from ddptrain.dist.phases import Phases
 from ddptrain.dist.threads import too_many_workers, usable_cores
 from ddptrain.errors import Stopped, UserError, first_line, peer_lost, report
+from ddptrain.model import fsdp
 from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.parallelize import (
     Communication,
@@ -36,8 +36,8 @@ from ddptrain.model.parallelize import (
     checkpoint_parts,
     compile_model,
     is_sharded,
-    shards,
     unwrap,
+    will_shard,
     wrap,
 )
 from ddptrain.model.precision import DTYPES, Precision, resolve_precision
@@ -130,17 +130,18 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
             origin = "" if config.pretrained is True else f" from {config.pretrained}"
             reporter.info(f"pretrained {config.arch}{origin}: new weights for {', '.join(fresh)}")
     parameters = sum(p.numel() for p in model.parameters())
-    # Under fsdp the EMA averages into a twin of the model, sharded alike: copied before
-    # sharding, as FSDP2 refuses to copy a sharded model.
-    twin = copy.deepcopy(model) if config.model_ema and shards(env, config.strategy) else None
+    # Under fsdp the EMA averages into a twin of the model, sharded alike: its structure is
+    # copied before sharding, as FSDP2 refuses to copy a sharded model.
+    structure = (
+        fsdp.meta_copy(model) if config.model_ema and will_shard(env, config.strategy) else None
+    )
+    sharding = dict(arch=config.arch, amp_dtype=DTYPES[precision.amp], offload=config.fsdp_offload)
     model = wrap(
         model,
         env,
         gpu_pinned=config.gpu is not None,
         strategy=config.strategy,
-        arch=config.arch,
-        amp_dtype=DTYPES[precision.amp],
-        offload=config.fsdp_offload,
+        **sharding,
         reshard_after_forward=config.reshard_after_forward,
         comm=Communication.of(config),
         example=None if config.evaluate else _example(config, precision, env.device),
@@ -158,15 +159,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         crowded = too_many_workers(config.workers, env.local_world_size, usable_cores())
         if crowded:
             reporter.warn(crowded)
-    if twin is not None:
-        twin = wrap(
-            twin,
-            env,
-            strategy=config.strategy,
-            arch=config.arch,
-            amp_dtype=DTYPES[precision.amp],
-            offload=config.fsdp_offload,
-        )
+    twin = None if structure is None else fsdp.shard_twin(structure, env, **sharding)
     ema = build_ema(unwrap(model), config, env, steps_per_epoch, averaged=twin)
     summary = start_summary(config, env, loaders, precision, parameters, steps_per_epoch, resume)
     meta, record = _records(config, env, loaders, precision, seed, summary)

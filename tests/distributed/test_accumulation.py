@@ -1,8 +1,6 @@
 """Gradient accumulation and clipping on real gloo ranks: the same step as the full batch on
 one process."""
 
-import copy
-
 import pytest
 import torch
 from harness import run_ranks
@@ -10,6 +8,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.tensor import DTensor
 
+from ddptrain.model import fsdp
 from ddptrain.model.parallelize import no_gradient_sync, unwrap, wrap
 from ddptrain.train.ema import ModelEma
 from ddptrain.train.step import Step
@@ -48,9 +47,10 @@ def steps(env, accum_steps, clip=None, count=3, strategy="ddp", ema_decay=None):
 def with_ema(plain, env, strategy, ema_decay):
     """The model wrapped for `strategy` and, with ema_decay, its EMA as run.py builds it: under
     fsdp into a twin sharded alike."""
-    twin = copy.deepcopy(plain) if ema_decay is not None and strategy == "fsdp" else None
+    sharded = ema_decay is not None and strategy == "fsdp"
+    structure = fsdp.meta_copy(plain) if sharded else None
     model = wrap(plain, env, strategy=strategy)
-    averaged = None if twin is None else wrap(twin, env, strategy=strategy)
+    averaged = None if structure is None else fsdp.shard_twin(structure, env, "test model")
     ema = None if ema_decay is None else ModelEma(unwrap(model), env, ema_decay, averaged=averaged)
     return model, ema
 
@@ -132,13 +132,15 @@ def test_the_average_under_fsdp_is_the_average_under_ddp():
 
 
 class Headed(nn.Module):
-    """A BatchNorm-free model whose head stays in fsdp's root unit (fsdp.shard_units takes the
-    children of `features`), which FSDP keeps gathered after a forward without backward."""
+    """A model whose head stays in fsdp's root unit (fsdp.shard_units takes the children of
+    `features`), which FSDP keeps gathered after a forward without backward. BatchNorm-free
+    unless `norm`."""
 
-    def __init__(self):
+    def __init__(self, norm: bool = False):
         super().__init__()
         torch.manual_seed(0)
-        self.features = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
+        norms = [nn.BatchNorm2d(8)] if norm else []
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3), *norms, nn.ReLU())
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
 
     def forward(self, x):
@@ -158,6 +160,31 @@ def _evaluated_average(env, strategy):
             outputs.append(ema.module.eval()(images))
     weights = torch.cat([whole(p).detach().flatten() for p in ema.module.parameters()])
     return torch.stack(outputs), weights
+
+
+def test_the_fsdp_average_goes_through_a_single_file_and_back():
+    """ModelEma.state_dict gathers the whole average to rank 0 (the single-file format), and
+    load_state_dict sends rank 0's back into every rank's shards."""
+    (whole_on_rank0, restored), (nothing_on_rank1, _) = run_ranks(_round_trip, 2)
+    assert whole_on_rank0 and not nothing_on_rank1
+    assert restored
+
+
+def _round_trip(env):
+    model, ema = with_ema(Headed(norm=True), env, "fsdp", 0.5)
+    step = Step(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+    for global_step in range(1, 4):
+        step(*my_slice(env, *batch()))
+        ema.update(unwrap(model), global_step)
+    saved = ema.state_dict()
+    _, other = with_ema(Headed(norm=True), env, "fsdp", 0.5)
+    with torch.no_grad():
+        for tensor in (*other.module.parameters(), *other.module.buffers()):
+            tensor.add_(1)  # another average, BatchNorm statistics included
+    other.load_state_dict(saved)
+    tensors = [(*m.parameters(), *m.buffers()) for m in (ema.module, other.module)]
+    same = all(torch.equal(whole(a), whole(b)) for a, b in zip(*tensors, strict=True))
+    return len(saved["model"]) == len(ema.module.state_dict()), same and other.updates == 3
 
 
 def test_no_gradient_sync_reaches_ddp_under_torch_compile():

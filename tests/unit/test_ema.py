@@ -5,6 +5,7 @@ import io
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ddptrain.config import Config
 from ddptrain.dist.env import DistEnv
@@ -48,6 +49,20 @@ def test_update_is_decay_times_average_plus_the_rest_times_the_weights():
         for k, v in expected.items():  # weights and BatchNorm running statistics
             assert torch.allclose(averaged[k], v, rtol=1e-6, atol=1e-7), k
     assert ema.state_dict()["updates"] == 4
+
+
+def test_the_average_is_torch_s_averaged_model_s():
+    """The same arithmetic as AveragedModel(use_buffers=True) with torch's EMA function, which
+    ModelEma replaces because FSDP2 cannot use it (see ema.py): bitwise, batch counts too."""
+    model = net()
+    ema = ModelEma(model, ONE, decay=0.9)
+    reference = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    for step in range(1, 6):
+        train_step(model, step)
+        ema.update(model, step)
+        reference.update_parameters(model)
+    for k, v in reference.module.state_dict().items():
+        assert torch.equal(ema.module.state_dict()[k], v), k
 
 
 def test_every_k_steps_with_decay_to_the_k():

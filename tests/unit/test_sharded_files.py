@@ -199,8 +199,8 @@ def assert_restores(ema, folder):
     restorer, other = ema_checkpointer(folder.parent, model, optimizer, scheduler)
     other.updates = 0
     with torch.no_grad():
-        for p in other.module.parameters():
-            p.add_(1.0)  # another average, before the restore
+        for tensor in (*other.module.parameters(), *other.module.buffers()):
+            tensor.add_(1)  # another average, BatchNorm statistics included, before the restore
     restorer.restore(sharded.read(folder))
     assert other.updates == ema.updates == 2
     for name, tensor in ema.module.state_dict().items():

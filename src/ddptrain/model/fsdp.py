@@ -20,6 +20,8 @@ on rank 0 one unit at a time passes through the device whole as it is sharded. R
 weights are then scattered into every rank's shards one tensor at a time.
 """
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -193,6 +195,33 @@ def shard_from_rank0(
     _scatter_from_rank0(model, initial, env)
     broadcast_buffers(model, env)  # non-persistent ones too: a meta rank holds them unset
     return model
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """model's structure, copied on the meta device: its tensors are never copied (deepcopy
+    finds a meta twin of each in its memo), so a rank holding the whole model holds it once."""
+    memo: dict = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        empty = torch.empty_like(tensor, device="meta")
+        if isinstance(tensor, nn.Parameter):
+            empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = empty
+    return copy.deepcopy(model, memo)
+
+
+def shard_twin(
+    structure: nn.Module,
+    env: DistEnv,
+    arch: str,
+    amp_dtype: torch.dtype | None = None,
+    offload: bool = False,
+) -> nn.Module:
+    """A twin of the sharded model for the EMA: `structure` (a meta_copy of the model before
+    sharding) sharded as shard_from_rank0 shards the model, with room for its shards and
+    buffers but no values: the caller copies the model's in, shard by shard. No collective."""
+    twin = shard(structure, arch, amp_dtype, offload, device=env.device)
+    _make_room(twin, env.device, offload)
+    return twin
 
 
 def _make_room(model: nn.Module, device: torch.device, offload: bool) -> None:

@@ -77,7 +77,7 @@ def wrap(
     batches alone, see precision).
     """
     assert strategy in STRATEGIES, strategy
-    if shards(env, strategy):
+    if will_shard(env, strategy):
         return fsdp.shard_from_rank0(model, env, arch, amp_dtype, offload, reshard_after_forward)
     model = place(model) if place is not None else model.to(env.device)
     if env.distributed:
@@ -93,7 +93,7 @@ def wrap(
     return model
 
 
-def shards(env: DistEnv, strategy: str) -> bool:
+def will_shard(env: DistEnv, strategy: str) -> bool:
     """Whether `wrap` shards the model: fsdp on two or more ranks (one process trains it plain)."""
     return env.distributed and strategy == "fsdp"
 
@@ -102,7 +102,7 @@ def builds_on_meta(env: DistEnv, strategy: str) -> bool:
     """Whether this rank builds its model without weights, on the meta device: under fsdp on
     two or more ranks, every rank but rank 0, whose weights `wrap` scatters into the shards.
     A rank then never holds the whole model, in host memory or on the device."""
-    return shards(env, strategy) and not env.is_main
+    return will_shard(env, strategy) and not env.is_main
 
 
 def _ddp(

@@ -4,8 +4,8 @@ Called on EVERY rank. Each part (model, optimizer, scheduler, gradient scaler, E
 state_dict on every rank, because under fsdp the full tensors are gathered to rank 0 by a
 collective; under ddp the same calls are local and give rank 0 its own copy. Rank 0 writes the
 single file (state/files.py: atomic, numbered, retained); the other ranks learn whether it
-succeeded, so a failed write ends every rank. In the sharded format (state/sharded.py) the model
-and optimizer stay as the ranks hold them and each rank writes its own shards.
+succeeded, so a failed write ends every rank. In the sharded format (state/sharded.py) the model,
+optimizer and EMA stay as the ranks hold them and each rank writes its own shards.
 
 The file holds (DESIGN.md): `model` (plain state dict, no wrapper prefixes, CPU tensors),
 `optimizer` (keyed by parameter name), `scheduler`, the run counters of `TrainState` (`epoch`,

@@ -251,9 +251,10 @@ def resolve(
 
 def weights_finite(checkpoint: dict) -> bool:
     """Whether every floating-point tensor of the model (and its EMA) is finite."""
-    ema = checkpoint.get("model_ema", {})
-    states = [checkpoint.get("model", {}), ema.get("model", {}) if isinstance(ema, dict) else ema]
-    # A sharded checkpoint's weights stay on disk (each rank checked its own before the save).
+    ema = checkpoint.get("model_ema")
+    states = [checkpoint.get("model"), ema.get("model") if isinstance(ema, dict) else None]
+    # A sharded checkpoint's weights (model, EMA) stay on disk: `Stored`, not dicts (each rank
+    # checked its own before the save).
     states = [state for state in states if isinstance(state, dict)]
     return all(
         bool(torch.isfinite(t).all())

@@ -142,7 +142,7 @@ class Stored:
 
 
 def read(folder: Path) -> dict:
-    """A sharded checkpoint's state.pt, with its model and optimizer as `Stored` parts. Checks
+    """A sharded checkpoint's state.pt, with its SHARDED_PARTS as `Stored` parts. Checks
     that the metadata is readable and every shard file it names is there, whole."""
     metadata = read_metadata(folder)
     ends: dict[str, int] = {}

@@ -50,10 +50,12 @@ class ModelEma:
     ):
         """model: the trained model, unwrapped (placed; under fsdp, sharded). averaged: the
         module that holds the average, shaped as model: by default a deep copy of it; under
-        fsdp a twin sharded alike (run.py), its weights replaced at the first update."""
+        fsdp a twin sharded alike (fsdp.shard_twin), into which the model's shards are copied."""
         assert every >= 1
         self.env, self.every, self.warmup_steps = env, every, warmup_steps
         self.module = copy.deepcopy(model) if averaged is None else averaged
+        if averaged is not None:
+            _copy(_held(model), _held(self.module))
         self.module.eval()  # never trained; evaluate() sets the mode anyway
         self.average = get_ema_multi_avg_fn(decay**every)
         self.updates = 0
@@ -67,16 +69,20 @@ class ModelEma:
             return
         if step <= self.warmup_steps:
             self.updates = 0  # this update copies the weights
-        groups = defaultdict(lambda: ([], []))  # torch's foreach takes one dtype per call
-        for mine, theirs in zip(_held(self.module), _held(model), strict=True):
-            if self.updates == 0:
-                mine.copy_(theirs)
-            else:
-                averaged, current = groups[mine.dtype]
-                averaged.append(mine)
-                current.append(theirs)
-        for averaged, current in groups.values():
-            self.average(averaged, current, None)
+        mine, theirs = _held(self.module), _held(model)
+        if self.updates == 0:
+            _copy(theirs, mine)
+        else:
+            # By device and dtype, as AveragedModel groups them: the average lerps floats and
+            # takes another formula for integers (BatchNorm's batch counts), chosen by the
+            # first tensor of a call.
+            groups = defaultdict(lambda: ([], []))
+            for averaged, current in zip(mine, theirs, strict=True):
+                group = groups[averaged.device, averaged.dtype]
+                group[0].append(averaged)
+                group[1].append(current)
+            for averaged, current in groups.values():
+                self.average(averaged, current, None)
         self.updates += 1
 
     def state_dict(self) -> dict:
@@ -102,6 +108,12 @@ class ModelEma:
             own = state
             self.weights.load_state_dict(state["model"])
         self.updates = int(own["updates"])
+
+
+@torch.no_grad()
+def _copy(sources: list[torch.Tensor], destinations: list[torch.Tensor]) -> None:
+    for source, destination in zip(sources, destinations, strict=True):
+        destination.copy_(source)
 
 
 def _held(model: nn.Module) -> list[torch.Tensor]:
