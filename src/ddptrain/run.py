@@ -172,7 +172,6 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
     checkpointer = Checkpointer(
         env,
         out_dir,
-        unwrap(model),
         parts,
         meta,
         record,

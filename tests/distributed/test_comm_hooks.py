@@ -118,7 +118,7 @@ def checkpointer(model, optimizer, env, out_dir: Path) -> Checkpointer:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100)
     parts = training_parts(unwrap(model), optimizer, scheduler, env)
     parts.update(checkpoint_parts(model, env))
-    return Checkpointer(env, out_dir, unwrap(model), parts, {"arch": "tiny"}, {}, keep_last=2)
+    return Checkpointer(env, out_dir, parts, {"arch": "tiny"}, {}, keep_last=2)
 
 
 def powersgd_state_round_trip(env, out_dir: str):

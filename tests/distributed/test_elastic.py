@@ -33,7 +33,7 @@ def fit(env, root, out_dir, resume=None):
     meta = {"arch": "bn_free", "num_classes": 3, "class_to_idx": loaders.class_to_idx}
     meta["config"] = config.to_dict()
     parts = training_parts(unwrap(model), optimizer, scheduler, env)
-    checkpointer = Checkpointer(env, out_dir, unwrap(model), parts, meta, {}, keep_last=10)
+    checkpointer = Checkpointer(env, out_dir, parts, meta, {}, keep_last=10)
     state = TrainState() if resume is None else checkpointer.restore(load(resume))
     with StopRequests(env) as stop:
         run = trainer.Run(

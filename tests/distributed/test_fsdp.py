@@ -61,7 +61,7 @@ def train_epoch(
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 30)
     parts = training_parts(unwrap(model), optimizer, scheduler, env, sharded=is_sharded(model))
     checkpointer = Checkpointer(
-        env, out_dir, unwrap(model), parts, META, {}, keep_last=5, sharded_format=sharded_format
+        env, out_dir, parts, META, {}, keep_last=5, sharded_format=sharded_format
     )
     state = TrainState() if resume is None else checkpointer.restore(load(resume))
     loaders.train_sampler.set_epoch(state.epoch)

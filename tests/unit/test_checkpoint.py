@@ -41,7 +41,7 @@ def meta():
 
 def checkpointer(out_dir, model, optimizer, scheduler, scaler=None, keep_last=2):
     parts = training_parts(model, optimizer, scheduler, ONE, scaler)
-    return Checkpointer(ONE, out_dir, model, parts, meta(), {}, keep_last)
+    return Checkpointer(ONE, out_dir, parts, meta(), {}, keep_last)
 
 
 def gathered(model, optimizer, scheduler, state, scaler=None):

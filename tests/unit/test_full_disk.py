@@ -40,7 +40,7 @@ def save_step(out_dir, step, is_best=False):
     model, optimizer, scheduler = model_and_optimizer()
     state = TrainState(epoch=step, global_step=step)
     parts = training_parts(model, optimizer, scheduler, ONE)
-    checkpoint = Checkpointer(ONE, out_dir, model, parts, META, {}, 2).gather(state)
+    checkpoint = Checkpointer(ONE, out_dir, parts, META, {}, 2).gather(state)
     files.save(out_dir, checkpoint, is_best, 2)
 
 

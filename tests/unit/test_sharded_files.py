@@ -20,7 +20,7 @@ from ddptrain.train.optim import build_optimizer
 
 def sharded_checkpointer(out_dir, model, optimizer, scheduler, keep_last=2):
     parts = training_parts(model, optimizer, scheduler, ONE)
-    return Checkpointer(ONE, out_dir, model, parts, meta(), {}, keep_last, sharded_format=True)
+    return Checkpointer(ONE, out_dir, parts, meta(), {}, keep_last, sharded_format=True)
 
 
 @pytest.fixture

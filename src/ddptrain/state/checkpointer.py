@@ -85,11 +85,19 @@ class ModelState(Stateful):
         self.model, self.env, self.sharded = model, env, sharded
 
     def state_dict(self) -> dict:
+        """Whole, on rank 0. A collective, as every method here."""
+        self._agree_buffers()
         return get_model_state_dict(self.model, options=_GATHER)
 
     def local_state_dict(self) -> dict:
         """As this rank holds it: its shards under fsdp (what a sharded checkpoint writes)."""
+        self._agree_buffers()
         return get_model_state_dict(self.model)
+
+    def _agree_buffers(self) -> None:
+        # Rank 0's BatchNorm statistics on every rank, as saved: under fsdp nothing else keeps
+        # them equal, and the run goes on from what the checkpoint holds.
+        broadcast_buffers(self.model, self.env)
 
     def load_state_dict(self, state) -> None:
         """A plain state dict (rank 0's is broadcast under fsdp), or a sharded checkpoint's part
@@ -191,7 +199,6 @@ class Checkpointer:
         self,
         env: DistEnv,
         out_dir: Path,
-        model: nn.Module,
         parts: dict[str, Stateful],
         meta: dict,
         record: dict,
@@ -199,7 +206,7 @@ class Checkpointer:
         sharded_format: bool = False,
         mark: Callable[[str], None] = lambda stage: None,
     ):
-        self.env, self.out_dir, self.model = env, out_dir, model
+        self.env, self.out_dir = env, out_dir
         self.parts, self.meta, self.record, self.keep_last = parts, meta, record, keep_last
         self.sharded_format = sharded_format
         # Each stage of a save as it begins (Phases.within_step): a rank stuck writing is named
@@ -209,9 +216,6 @@ class Checkpointer:
     def gather(self, state: TrainState) -> dict:
         """The checkpoint of the run at `state`, whole on rank 0 (empty parts elsewhere). A
         collective."""
-        # Rank 0's BatchNorm statistics on every rank, as saved: under fsdp nothing else keeps
-        # them equal, and the run goes on from what the checkpoint holds.
-        broadcast_buffers(self.model, self.env)
         return self._contents({name: part.state_dict() for name, part in self.parts.items()}, state)
 
     def _contents(self, states: dict, state: TrainState) -> dict:
@@ -237,7 +241,6 @@ class Checkpointer:
         agree(self.env, write, doing="writing a checkpoint")
 
     def _save_sharded(self, state: TrainState, is_best: bool) -> None:
-        broadcast_buffers(self.model, self.env)  # as in gather
         tensors = {
             name: self.parts[name].local_state_dict()
             for name in sharded.SHARDED_PARTS

@@ -31,7 +31,6 @@ from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from ddptrain.config import Config
-from ddptrain.dist.collectives import broadcast_buffers
 from ddptrain.dist.env import DistEnv
 from ddptrain.model.parallelize import is_sharded
 from ddptrain.state import sharded
@@ -53,9 +52,11 @@ class ModelEma:
         fsdp a twin sharded alike (fsdp.shard_twin), into which the model's shards are copied."""
         assert every >= 1
         self.env, self.every, self.warmup_steps = env, every, warmup_steps
-        self.module = copy.deepcopy(model) if averaged is None else averaged
-        if averaged is not None:
-            _copy(_held(model), _held(self.module))
+        if averaged is None:
+            averaged = copy.deepcopy(model)
+        else:
+            _copy(_held(model), _held(averaged))
+        self.module = averaged
         self.module.eval()  # never trained; evaluate() sets the mode anyway
         self.average = get_ema_multi_avg_fn(decay**every)
         self.updates = 0
@@ -89,12 +90,10 @@ class ModelEma:
         """{"model": the averaged model's plain state dict (keys as the model's own, whole, on
         rank 0), "updates": how many updates it has had}: loadable with weights_only=True. A
         collective."""
-        broadcast_buffers(self.module, self.env)  # rank 0's, as evaluation uses them
         return {"model": self.weights.state_dict(), "updates": self.updates}
 
     def local_state_dict(self) -> dict:
         """As this rank holds it, for a sharded checkpoint: its shards under fsdp."""
-        broadcast_buffers(self.module, self.env)
         return {"model": self.weights.local_state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state) -> None:
