@@ -100,3 +100,57 @@ def test_fsdp_on_a_cpu_gloo_group_takes_the_pairwise_collectives():
     for all_gathers, reduce_scatters in run_ranks(count_fsdp_collectives, 2, timeout=60):
         # resnet18: 8 blocks and the root; the blocks gather again in backward.
         assert all_gathers == 17 and reduce_scatters == 9
+
+
+def overlapped_backward(env):
+    """fsdp's gradients of resnet18 on a batch per rank, and how its pairwise collectives ran:
+    reduce-scatters left in flight as they returned, asynchronous all-gathers, and what was
+    still in flight once backward returned. Beside them, the gradients every rank agrees on
+    when each computes its own on the whole model and they average them."""
+    import copy
+
+    from ddptrain.dist import pairwise
+    from ddptrain.model.fsdp import shard
+
+    seen = {"left in flight": 0, "async all_gathers": 0}
+    reduce_scatters = set()
+    reduce_scatter, all_gather = pairwise.PairwiseReduceScatter, pairwise.PairwiseAllGather
+    original_reduce_scatter, original_all_gather = reduce_scatter.__call__, all_gather.__call__
+
+    def watched_reduce_scatter(self, *args, **kwargs):
+        result = original_reduce_scatter(self, *args, **kwargs)
+        seen["left in flight"] += self._in_flight is not None
+        reduce_scatters.add(self)
+        return result
+
+    def watched_all_gather(self, *args, async_op=False, **kwargs):
+        seen["async all_gathers"] += async_op
+        return original_all_gather(self, *args, async_op=async_op, **kwargs)
+
+    reduce_scatter.__call__ = watched_reduce_scatter
+    all_gather.__call__ = watched_all_gather
+    torch.manual_seed(0)
+    whole = torchvision.models.resnet18(num_classes=3)
+    model = shard(copy.deepcopy(whole), "resnet18")
+    images = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(env.rank))
+    model(images).sum().backward()
+    in_flight = sum(each._in_flight is not None for each in reduce_scatters)
+    assert len(reduce_scatters) == 1  # one object for all groups: one in flight at most
+    sharded = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
+
+    whole(images).sum().backward()
+    averaged = torch.cat([p.grad.flatten() for p in whole.parameters()])
+    dist.all_reduce(averaged)
+    return seen["left in flight"], seen["async all_gathers"], in_flight, sharded, averaged / 2
+
+
+def test_fsdp_overlaps_its_pairwise_collectives_with_backward_and_ends_them_with_it():
+    for left_in_flight, async_gathers, in_flight, sharded, averaged in run_ranks(
+        overlapped_backward, 2, timeout=60
+    ):
+        # 9 groups (8 blocks and the root): each reduce-scatter returned with its exchange in
+        # flight; the blocks gathered again in backward, asynchronously (with the forward's 9).
+        assert left_in_flight == 9
+        assert async_gathers == 17
+        assert in_flight == 0
+        torch.testing.assert_close(sharded, averaged, rtol=1e-5, atol=1e-6)

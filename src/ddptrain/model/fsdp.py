@@ -167,12 +167,27 @@ def shard(
             fully_shard(unit, reshard_after_forward=reshard, **options)
             groups.append(unit)
     if device.type == "cpu" and dist.get_backend(options["mesh"].get_group()) == "gloo":
-        # Gloo's own all-gather and reduce-scatter run at half the speed of pairwise sends. On
-        # the CPU only: gloo's sends take host memory (its collectives copy a GPU's through it).
-        for module in groups:  # the modules of a group share one FSDP state
-            module.set_custom_all_gather(PairwiseAllGather())
-            module.set_custom_reduce_scatter(PairwiseReduceScatter())
+        _overlap_pairwise(model, groups)
     return model
+
+
+def _overlap_pairwise(model: nn.Module, groups: list[nn.Module]) -> None:
+    """FSDP's collectives as pairwise sends, in gloo's threads while the step computes (see
+    dist/pairwise.py): gloo's own all-gather and reduce-scatter run at half their speed, and
+    FSDP2 waits for each collective where it issues it on the CPU (no streams). On the CPU only:
+    gloo's sends take host memory (its collectives copy a GPU's through it).
+
+    On 2 ranks (2 cores, 32 images per rank at 32 px, fp32) the overlap took fsdp from 92.4 to
+    96.5 samples/s on resnet50 and from 40.2 to 44.7 on vit_b_16; either half alone gained at
+    most 4%, as a synchronous all-gather waited behind the reduce-scatter in flight."""
+    reduce_scatter = PairwiseReduceScatter()  # one for all groups: at most one in flight
+    for module in groups:  # the modules of a group share one FSDP state
+        module.set_custom_all_gather(PairwiseAllGather())
+        module.set_custom_reduce_scatter(reduce_scatter)
+    # Unshards asynchronous (a private setter, torch 2.14; every group under model): in
+    # backward, the block FSDP2 prefetches is gathered while the current one computes. In
+    # forward nothing is prefetched, so each block's gather is waited for at once, as before.
+    model._set_unshard_async_op(True)
 
 
 def shard_from_rank0(
