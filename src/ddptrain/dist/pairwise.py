@@ -17,8 +17,11 @@ where it is issued. So these run in gloo's threads while the step computes (asyn
 - the reduce-scatter of one block's gradients runs while backward computes the next block's
   (`PairwiseReduceScatter`).
 
-The reduce-scatter holds (N-1)/N of a block's gradients more while it runs (what the peers
-send), which the planner's trace, on gloo's own collectives, does not count. Asked for a
+The reduce-scatter in flight keeps its block's gradients (its input) and (N-1)/N of them more
+(what the peers send) until the next block's starts: during the next block's backward, about
+one block's gradients more than FSDP2 on gloo's own collectives holds, which the planner's
+trace does not count (resnet50's and vit_b_16's bench peaks did not rise: activations dominate;
+one large unit, as VGG's first classifier layer, would show it). Asked for a
 reduction other than a sum or mean, they hand over to gloo's own collective. FSDP calls them on
 2 or more ranks only.
 """
@@ -107,8 +110,10 @@ class PairwiseReduceScatter(_PlainAllocation):
     whichever comes first (so at most one is in flight: give one object to all of a model's
     groups). FSDP2 (torch 2.14's foreach_reduce) then only views output as the sharded
     gradients, which nothing reads before the backward ends, as long as gradients are reduced
-    in the parameters' dtype and none is accumulated into (gradients are None as the backward
-    starts: train.step's zero_grad). A sum is where FSDP2 divides afterwards (fp16 reductions):
+    in the parameters' dtype, none is accumulated into (gradients are None as the backward
+    starts: train.step's zero_grad), and none of FSDP2's hooks that read them at once is set
+    (post-accumulate-grad hooks, `set_all_reduce_hook`, HSDP's all-reduce): ddptrain sets
+    none. A sum is where FSDP2 divides afterwards (fp16 reductions):
     that one completes before it returns, as does any call outside a backward."""
 
     def __init__(self):
