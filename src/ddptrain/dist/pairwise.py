@@ -21,9 +21,9 @@ The reduce-scatter in flight keeps its block's gradients (its input) and (N-1)/N
 (what the peers send) until the next block's starts: during the next block's backward, about
 one block's gradients more than FSDP2 on gloo's own collectives holds, which the planner's
 trace does not count (resnet50's and vit_b_16's bench peaks did not rise: activations dominate;
-one large unit, as VGG's first classifier layer, would show it). Asked for a
-reduction other than a sum or mean, they hand over to gloo's own collective. FSDP calls them on
-2 or more ranks only.
+one large unit, as VGG's first classifier layer, would show it). Asked for a reduction other
+than a sum or mean, they hand over to gloo's own collective. FSDP calls them on 2 or more ranks
+only.
 """
 
 from collections.abc import Callable
@@ -113,8 +113,8 @@ class PairwiseReduceScatter(_PlainAllocation):
     in the parameters' dtype, none is accumulated into (gradients are None as the backward
     starts: train.step's zero_grad), and none of FSDP2's hooks that read them at once is set
     (post-accumulate-grad hooks, `set_all_reduce_hook`, HSDP's all-reduce): ddptrain sets
-    none. A sum is where FSDP2 divides afterwards (fp16 reductions):
-    that one completes before it returns, as does any call outside a backward."""
+    none. A sum is where FSDP2 divides afterwards (fp16 reductions): that one completes before
+    it returns, as does any call outside a backward."""
 
     def __init__(self):
         self._in_flight: Transfers | None = None
