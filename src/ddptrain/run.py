@@ -231,19 +231,22 @@ def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
     """The planner's line for this run: its strategy's per-rank memory, and on CUDA, where the
     device's memory is known, whether it fits and if not, what would (a traced step on fake
     tensors: seconds, once per model and batch, as traces are kept in the user cache)."""
-    from ddptrain.tools.plan import plan_line
+    from ddptrain.tools.plan import Workload, plan_line
 
     memory = None
     if env.device.type == "cuda":
         memory = torch.cuda.get_device_properties(env.device.index).total_memory
+    workload = Workload(
+        config.arch,
+        num_classes,
+        env.world_size,
+        config.batch_size // env.world_size,
+        config.image_size,
+        amp,
+    )
     try:
         line = plan_line(
-            config.arch,
-            num_classes,
-            env.world_size,
-            config.batch_size // env.world_size,
-            config.image_size,
-            amp,
+            workload,
             config.strategy,
             memory,
             # The other ranks wait for rank 0 in their first collective, for --dist-timeout.

@@ -8,7 +8,7 @@ import pytest
 from ddptrain.cli import main, parse
 from ddptrain.errors import UserError
 from ddptrain.tools import plan as planner
-from ddptrain.tools.plan import GiB, PlanRequest
+from ddptrain.tools.plan import GiB, PlanRequest, Workload
 
 MiB = 2**20
 REQUIRED = ("params", "grads", "optimizer", "activations", "peak")
@@ -37,11 +37,9 @@ def traces(monkeypatch):
     """Stands in for the traced child process; records each call's per-rank batch."""
     calls = []
 
-    def trace(
-        arch, num_classes, world_size, per_rank_batch, image_size, amp, strategies, deadline=None
-    ):
-        calls.append((tuple(strategies), per_rank_batch))
-        return {s: figures(s, world_size, per_rank_batch) for s in strategies}
+    def trace(workload, strategies, deadline=None):
+        calls.append((tuple(strategies), workload.per_rank_batch))
+        return {s: figures(s, workload.world_size, workload.per_rank_batch) for s in strategies}
 
     monkeypatch.setattr(planner, "trace", trace)
     monkeypatch.setattr(planner, "cuda_memory", lambda: None)
@@ -154,7 +152,8 @@ def test_no_batch_fits_when_the_model_state_alone_does_not(traces):
 
 
 def plan_line(strategy: str, device_memory: int | None) -> str:
-    return planner.plan_line("resnet50", 1000, 2, 4, 224, "none", strategy, device_memory)
+    workload = Workload("resnet50", 1000, 2, 4, 224, "none")
+    return planner.plan_line(workload, strategy, device_memory)
 
 
 def test_plan_line_without_a_device_is_the_strategy_figures(traces):
@@ -195,15 +194,15 @@ def test_a_trace_is_kept_and_a_damaged_kept_file_is_traced_again(monkeypatch, tm
         }
 
     monkeypatch.setattr(planner, "_trace_in_child", trace_in_child)
-    args = ("resnet50", 1000, 2, 4, 224, "none")
-    first = planner.trace(*args, strategies=("ddp",))
-    assert planner.trace(*args, strategies=("ddp",)) == first and len(children) == 1
-    assert planner.trace(*args[:3], 8, *args[4:], strategies=("ddp",)) != first
+    workload = Workload("resnet50", 1000, 2, 4, 224, "none")
+    first = planner.trace(workload, ("ddp",))
+    assert planner.trace(workload, ("ddp",)) == first and len(children) == 1
+    assert planner.trace(workload.with_batch(8), ("ddp",)) != first
     assert len(children) == 2  # another batch is another trace
     for damage, traces_so_far in (("{torn", 3), ('{"ddp": {}}', 4)):
         for kept in (tmp_path / "ddptrain" / "plans").iterdir():
             kept.write_text(damage)
-        assert planner.trace(*args, strategies=("ddp",)) == first
+        assert planner.trace(workload, ("ddp",)) == first
         assert len(children) == traces_so_far
 
 

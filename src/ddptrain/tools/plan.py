@@ -7,6 +7,7 @@ starting run its own strategy's line, and on a device too small, the strategy or
 """
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
@@ -35,6 +36,22 @@ BATCH_SEARCH_TRACES = 4  # traces spent looking for the largest batch that fits
 # Launcher variables a child of a real rank must not see (it plans; it joins no job).
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
 LAUNCHER_ENV_PREFIXES = ("MASTER_", "TORCHELASTIC_", "TORCH_NCCL_")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one traced step is: the model, the images each rank takes in it, and the run's
+    settings that change what a rank holds."""
+
+    arch: str
+    num_classes: int
+    world_size: int
+    per_rank_batch: int
+    image_size: int
+    amp: str
+
+    def with_batch(self, per_rank_batch: int) -> "Workload":
+        return dataclasses.replace(self, per_rank_batch=per_rank_batch)
 
 
 @dataclass(frozen=True)
@@ -70,24 +87,25 @@ class PlanRequest:
     def per_rank_batch(self) -> int:
         return self.batch_size // self.world_size
 
+    @property
+    def workload(self) -> Workload:
+        return Workload(
+            self.arch,
+            self.num_classes,
+            self.world_size,
+            self.per_rank_batch,
+            self.image_size,
+            self.amp,
+        )
+
 
 def trace(
-    arch: str,
-    num_classes: int,
-    world_size: int,
-    per_rank_batch: int,
-    image_size: int,
-    amp: str,
-    strategies: tuple[str, ...] = STRATEGIES,
-    deadline: float | None = None,
+    workload: Workload, strategies: tuple[str, ...] = STRATEGIES, deadline: float | None = None
 ) -> dict[str, dict]:
     """Per-rank bytes of one training step under each strategy (see tools/trace.py), traced in a
     child process, or as this same code traced the same request before (every starting run
     asks, and a trace takes seconds). A trace not done by `deadline` (time.monotonic) fails."""
-    request = dict(
-        arch=arch, num_classes=num_classes, world_size=world_size, image_size=image_size,
-        per_rank_batch=per_rank_batch, amp=amp, strategies=list(strategies),
-    )  # fmt: skip
+    request = {**dataclasses.asdict(workload), "strategies": list(strategies)}
     remembered = _remembered_file(request)
     with contextlib.suppress(OSError, ValueError):
         result = json.loads(remembered.read_text())
@@ -172,10 +190,18 @@ def cuda_memory() -> int | None:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
-def largest_batch(args: dict, strategy: str, usable: int, batch: int, figures: dict) -> int | None:
-    """The largest per-rank batch below `batch` whose peak fits `usable` bytes, or None when not
-    even 1 does. The peak grows almost linearly with the batch: a secant search from the traced
-    batch, each guess traced (at most BATCH_SEARCH_TRACES of them)."""
+def largest_batch(
+    workload: Workload,
+    strategy: str,
+    usable: int,
+    figures: dict,
+    deadline: float | None = None,
+) -> int | None:
+    """The largest per-rank batch below the workload's whose peak fits `usable` bytes, or None
+    when not even 1 does. `figures`: the workload's trace. The peak grows almost linearly with
+    the batch: a secant search from the traced batch, each guess traced (at most
+    BATCH_SEARCH_TRACES of them)."""
+    batch = workload.per_rank_batch
     fixed = sum(figures[k] for k in ("params", "grads", "optimizer", "buffers"))
     fixed += figures["all_gather_peak"] or 0
     if (figures["bucket_rebuild"] or 0) > usable or fixed >= usable:
@@ -188,7 +214,7 @@ def largest_batch(args: dict, strategy: str, usable: int, batch: int, figures: d
         guess = min(max(guess, fits + 1), fails - 1)
         if guess <= fits:
             break
-        peak = trace(**args, per_rank_batch=guess, strategies=(strategy,))[strategy]["peak"]
+        peak = trace(workload.with_batch(guess), (strategy,), deadline)[strategy]["peak"]
         if peak <= usable:
             fits = guess
         else:
@@ -202,18 +228,14 @@ def largest_batch(args: dict, strategy: str, usable: int, batch: int, figures: d
 def plan(request: PlanRequest) -> dict[str, dict]:
     """Both strategies' figures, each with whether it fits the device and, if not, the largest
     global batch that would (None: not even 1 per rank)."""
-    args = dict(
-        arch=request.arch, num_classes=request.num_classes, world_size=request.world_size,
-        image_size=request.image_size, amp=request.amp,
-    )  # fmt: skip
-    result = trace(**args, per_rank_batch=request.per_rank_batch, strategies=STRATEGIES)
+    result = trace(request.workload, STRATEGIES)
     device = cuda_memory() if request.device_memory is None else int(request.device_memory * GiB)
     for strategy, figures in result.items():
         usable = None if device is None else int(device * USABLE)
         fits = None if usable is None else figures["peak"] <= usable
         figures.update(device_memory=device, usable_memory=usable, fits=fits, fitting_batch=None)
         if fits is False:
-            per_rank = largest_batch(args, strategy, usable, request.per_rank_batch, figures)
+            per_rank = largest_batch(request.workload, strategy, usable, figures)
             figures["fitting_batch"] = per_rank and per_rank * request.world_size
     return result
 
@@ -301,12 +323,7 @@ def answer(request: PlanRequest) -> str:
 
 
 def plan_line(
-    arch: str,
-    num_classes: int,
-    world_size: int,
-    per_rank_batch: int,
-    image_size: int,
-    amp: str,
+    workload: Workload,
     strategy: str,
     device_memory_bytes: int | None,
     seconds: float = TRACE_TIMEOUT,
@@ -315,14 +332,12 @@ def plan_line(
     bytes (CUDA), whether it fits, and when not, the other strategy or the global batch that
     would. A trace in a child process: seconds (about 5 for resnet50 at 224 px here), more when
     it does not fit and alternatives are traced; all of them within `seconds`, or it fails."""
-    args = dict(
-        arch=arch, num_classes=num_classes, world_size=world_size, image_size=image_size, amp=amp,
-        deadline=time.monotonic() + seconds,
-    )  # fmt: skip
-    figures = trace(**args, per_rank_batch=per_rank_batch, strategies=(strategy,))[strategy]
+    deadline = time.monotonic() + seconds
+    figures = trace(workload, (strategy,), deadline)[strategy]
     state = sum(figures[k] for k in ("params", "grads", "optimizer"))
     line = (
-        f"plan: {strategy}, {per_rank_batch} per rank: peak {size(figures['peak'])} per rank "
+        f"plan: {strategy}, {workload.per_rank_batch} per rank: "
+        f"peak {size(figures['peak'])} per rank "
         f"(model state {size(state)}, activations {size(figures['activations'])})"
     )
     if device_memory_bytes is None:
@@ -332,13 +347,14 @@ def plan_line(
     if figures["peak"] <= usable:
         return f"{line}; fits {room}"
     other = "fsdp" if strategy == "ddp" else "ddp"
-    other_peak = trace(**args, per_rank_batch=per_rank_batch, strategies=(other,))[other]["peak"]
+    other_peak = trace(workload, (other,), deadline)[other]["peak"]
     if other_peak <= usable:
         return f"{line}; will NOT fit {room}: --strategy {other} would (peak {size(other_peak)})"
-    fitting = largest_batch(args, strategy, usable, per_rank_batch, figures)
+    fitting = largest_batch(workload, strategy, usable, figures, deadline)
     if fitting is None:
         return (
             f"{line}; will NOT fit {room}, not even at 1 image per rank: more ranks with "
             "--strategy fsdp shard the model state further"
         )
-    return f"{line}; will NOT fit {room}: -b {fitting * world_size} would ({fitting} per rank)"
+    global_batch = fitting * workload.world_size
+    return f"{line}; will NOT fit {room}: -b {global_batch} would ({fitting} per rank)"
