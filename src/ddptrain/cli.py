@@ -3,7 +3,14 @@
 import argparse
 from pathlib import Path
 
-from ddptrain.config import MAX_IMAGE_PIXELS, SECTIONS, Config, flag_name, settings
+from ddptrain.config import (
+    MAX_IMAGE_PIXELS,
+    MEMORY_SETTINGS,
+    SECTIONS,
+    Config,
+    flag_name,
+    settings,
+)
 from ddptrain.config_layers import kinds, merge, read, recipes
 from ddptrain.data.synth import SynthSpec
 from ddptrain.errors import report_errors
@@ -158,6 +165,10 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         help="memory of one device (default: this machine's CUDA device, if any)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object keyed ddp and fsdp")
+    fields = {f.name: f for f in settings()}
+    for name in MEMORY_SETTINGS:  # as train takes them
+        _add_flag(p, fields[name])
+        p.set_defaults(**{name: fields[name].default})
 
 
 def parse(argv: list[str] | None = None) -> tuple[str, object]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddptrain.config import Config
+from ddptrain.config import MEMORY_SETTINGS, Config
 from ddptrain.config_layers import resumed
 from ddptrain.data.check import images_to_leave_out
 from ddptrain.data.loaders import Data, build_data
@@ -243,6 +243,7 @@ def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
         config.batch_size // env.world_size,
         config.image_size,
         amp,
+        **{name: getattr(config, name) for name in MEMORY_SETTINGS},
     )
     try:
         line = plan_line(
@@ -254,21 +255,9 @@ def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
         )
     except Exception as err:  # planning is advice: a model it cannot trace still trains
         return f"plan: not available ({first_line(err)})"
-    untraced = _untraced(config)
-    return f"{line}; not counted: {', '.join(untraced)}" if untraced else line
-
-
-def _untraced(config: Config) -> list[str]:
-    """The run's flags that change its memory, which the planner's step (SGD with momentum,
-    the whole per-rank batch at once, fsdp's defaults) leaves out."""
-    flags = {
-        "--opt adamw": config.opt == "adamw",
-        "--model-ema": config.model_ema,
-        f"--accum-steps {config.accum_steps}": config.accum_steps > 1,
-        "--fsdp-offload": config.fsdp_offload,
-        "--no-reshard-after-forward": not config.reshard_after_forward,
-    }
-    return [flag for flag, set_ in flags.items() if set_]
+    if config.fsdp_offload:  # a trace holds everything on one device
+        line += "; --fsdp-offload keeps the model state in host memory, not on the device"
+    return line
 
 
 def _restore(checkpointer, saved, scheduler, config: Config, steps_per_epoch: int) -> TrainState:

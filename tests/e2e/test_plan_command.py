@@ -25,14 +25,23 @@ def measured_ddp_step(**model) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_plan_json_matches_a_measured_ddp_step():
+MEMORY_FLAGS = {"opt": "adamw", "model_ema": True, "accum_steps": 2}
+
+
+@pytest.mark.parametrize("run", [{}, MEMORY_FLAGS], ids=["defaults", "adamw-ema-accum"])
+def test_plan_json_matches_a_measured_ddp_step(run):
     flags = ["-a", MODEL["arch"], "--world-size", 2, "-b", 2 * MODEL["per_rank_batch"]]
     flags += ["--image-size", MODEL["image_size"], "--num-classes", MODEL["num_classes"]]
+    flags += ["--opt", run.get("opt", "sgd"), "--accum-steps", run.get("accum_steps", 1)]
+    flags += ["--model-ema"] if run.get("model_ema") else []
     planned = json.loads(ok(ddptrain("plan", *flags, "--json")).stdout)
-    measured = measured_ddp_step(**MODEL)
+    measured = measured_ddp_step(**MODEL, **run)
     ddp = planned["ddp"]
-    # The same tensors, fake or real: equal to the byte.
-    for key in ("params", "grads", "optimizer", "buffers"):
+    # The same tensors, fake or real: equal to the byte. The EMA's copy of the parameters and
+    # buffers is measured as parameters and buffers.
+    assert ddp["params"] + ddp["buffers"] + ddp["ema"] == measured["params"] + measured["buffers"]
+    assert ddp["ema"] == (ddp["params"] + ddp["buffers"] if run.get("model_ema") else 0)
+    for key in ("grads", "optimizer"):
         assert ddp[key] == measured[key], key
     # Measured with the same tracker, on real DDP and real kernels: what may differ is what the
     # fake (meta) kernels allocate and save against the real ones, and the planner's stand-in for
@@ -46,7 +55,7 @@ def test_plan_json_matches_a_measured_ddp_step():
     assert measured["first_step_peak"] <= measured["peak"]
     # fsdp on 2 ranks: each holds half of the parameters, gradients and momentum (padded shards).
     fsdp = planned["fsdp"]
-    for key in ("params", "grads", "optimizer"):
+    for key in ("params", "grads", "optimizer", "ema"):
         assert fsdp[key] == pytest.approx(ddp[key] / 2, rel=0.01), key
     assert fsdp["all_gather_peak"] > 0 and fsdp["peak"] < ddp["peak"]
 

@@ -14,16 +14,17 @@ MiB = 2**20
 REQUIRED = ("params", "grads", "optimizer", "activations", "peak")
 
 
-def figures(strategy: str, world_size: int, per_rank_batch: int) -> dict:
+def figures(strategy: str, world_size: int, per_rank_batch: int, accum_steps: int = 1) -> dict:
     """What a trace of a model with 300 MiB of parameters and 40 MiB of activations per image
-    would give: the peak grows linearly with the batch, fsdp shards the model state."""
+    would give: the peak grows linearly with the images of a forward pass, fsdp shards the
+    model state, and accumulating holds 50 MiB of gradients more."""
     shards = world_size if strategy == "fsdp" else 1
     state = 300 * MiB // shards
-    activations = 40 * MiB * per_rank_batch
-    step_peak = 3 * state + activations + 10 * MiB
+    activations = 40 * MiB * (per_rank_batch // accum_steps)
+    step_peak = 3 * state + activations + 10 * MiB + (50 * MiB if accum_steps > 1 else 0)
     rebuild = 4 * state if strategy == "ddp" and world_size > 1 else None
     return {
-        "params": state, "grads": state, "optimizer": state, "buffers": 1024,
+        "params": state, "grads": state, "optimizer": state, "ema": 0, "buffers": 1024,
         "inputs": per_rank_batch * 3 * 224 * 224 * 4, "activations": activations,
         "comm_buffers": 0 if strategy == "ddp" else 50 * MiB,
         "all_gather_peak": None if strategy == "ddp" else 60 * MiB,
@@ -39,7 +40,10 @@ def traces(monkeypatch):
 
     def trace(workload, strategies, deadline=None):
         calls.append((tuple(strategies), workload.per_rank_batch))
-        return {s: figures(s, workload.world_size, workload.per_rank_batch) for s in strategies}
+        return {
+            s: figures(s, workload.world_size, workload.per_rank_batch, workload.accum_steps)
+            for s in strategies
+        }
 
     monkeypatch.setattr(planner, "trace", trace)
     monkeypatch.setattr(planner, "cuda_memory", lambda: None)
@@ -171,11 +175,21 @@ def test_plan_line_names_the_strategy_that_would_fit(traces):
     assert "will NOT fit 1.00 GiB (922 MiB usable): --strategy fsdp would (peak 620 MiB)" in line
 
 
-def test_plan_line_names_the_batch_that_would_fit(traces):
+def test_plan_line_names_the_batch_that_would_fit_and_the_accumulation_that_keeps_b(traces):
     line = plan_line("fsdp", int(0.6 * GiB))
-    usable = int(0.6 * GiB * planner.USABLE)
-    b = largest_fitting("fsdp", 2, usable)
-    assert line.endswith(f": -b {2 * b} would ({b} per rank)"), line
+    assert largest_fitting("fsdp", 2, int(0.6 * GiB * planner.USABLE)) == 2
+    # 2 images per forward fit without accumulating; with it, whose gradients take 50 MiB
+    # more (traced), only 1: 4 per rank in 4 forward passes, not 2.
+    assert line.endswith(": -b 4 would (2 per rank), or --accum-steps 4 at -b 8"), line
+    assert traces[-2:] == [(("fsdp",), 4), (("fsdp",), 4)]  # the two splits traced
+
+
+def test_under_accumulation_the_search_is_over_whole_forward_passes(traces):
+    workload = Workload("resnet50", 1000, 2, 8, 224, "none", accum_steps=2)
+    line = planner.plan_line(workload, "fsdp", int(0.6 * GiB))
+    assert line.startswith("plan: fsdp, 8 per rank (4 per forward): peak ")
+    assert line.endswith(": -b 4 would (2 per rank), or --accum-steps 8 at -b 16"), line
+    assert all(per_rank % 2 == 0 for _, per_rank in traces), traces
 
 
 def test_plan_line_when_nothing_fits(traces):
@@ -206,13 +220,50 @@ def test_a_trace_is_kept_and_a_damaged_kept_file_is_traced_again(monkeypatch, tm
         assert len(children) == traces_so_far
 
 
-def test_a_runs_plan_line_names_the_flags_its_trace_leaves_out():
-    from ddptrain.config import Config
-    from ddptrain.run import _untraced
+def test_a_run_plans_with_its_own_flags(monkeypatch):
+    import torch
 
-    assert _untraced(Config(arch="resnet18")) == []
-    settings = Config(arch="resnet18", opt="adamw", model_ema=True, accum_steps=2)
-    assert _untraced(settings) == ["--opt adamw", "--model-ema", "--accum-steps 2"]
+    from ddptrain.config import Config
+    from ddptrain.dist.env import DistEnv
+    from ddptrain.run import _plan
+
+    planned = []
+
+    def plan_line(workload, strategy, device_memory_bytes, seconds):
+        planned.append((workload, strategy, device_memory_bytes))
+        return "plan: traced"
+
+    monkeypatch.setattr(planner, "plan_line", plan_line)
+    env = DistEnv(0, 2, 0, 2, torch.device("cpu"))
+    config = Config(
+        arch="resnet18", batch_size=16, image_size=32, strategy="fsdp", opt="adamw",
+        model_ema=True, accum_steps=2, reshard_after_forward=False,
+    )  # fmt: skip
+    assert _plan(config, env, 10, "bf16") == "plan: traced"
+    workload = Workload("resnet18", 10, 2, 8, 32, "bf16", "adamw", True, 2, False)
+    assert planned == [(workload, "fsdp", None)]
+    # What a trace on one device cannot place: said, not left out silently.
+    offloaded = Config(arch="resnet18", batch_size=16, strategy="fsdp", fsdp_offload=True)
+    assert _plan(offloaded, env, 10, "none") == (
+        "plan: traced; --fsdp-offload keeps the model state in host memory, not on the device"
+    )
+
+
+def test_plan_takes_the_run_flags_that_change_memory():
+    command, request = parse(
+        ["plan", "-a", "resnet18", "--world-size", "2", "-b", "8", "--opt", "adamw",
+         "--model-ema", "--accum-steps", "2", "--no-reshard-after-forward"]
+    )  # fmt: skip
+    assert request.workload == Workload(
+        "resnet18", 1000, 2, 4, 224, "none", "adamw", True, 2, False
+    )
+    assert parse(["plan", "-a", "resnet18"])[1].workload == Workload(
+        "resnet18", 1000, 1, 256, 224, "none"
+    )
+    with pytest.raises(UserError, match="--accum-steps 3"):
+        parse(["plan", "-a", "resnet18", "-b", "8", "--accum-steps", "3"])
+    with pytest.raises(UserError, match="--opt"):
+        parse(["plan", "-a", "resnet18", "--opt", "lamb"])
 
 
 def test_a_trace_past_its_deadline_fails_in_one_line():

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ddptrain
-from ddptrain.config import Config
+from ddptrain.config import MEMORY_SETTINGS, Config
 from ddptrain.data.synth import cache_dir
 from ddptrain.errors import UserError
 from ddptrain.state.files import atomic_write
@@ -49,6 +49,14 @@ class Workload:
     per_rank_batch: int
     image_size: int
     amp: str
+    opt: str = "sgd"
+    model_ema: bool = False
+    accum_steps: int = 1  # forward passes the per-rank batch is split into
+    reshard_after_forward: bool = True  # fsdp's
+
+    @property
+    def forward_batch(self) -> int:
+        return self.per_rank_batch // self.accum_steps
 
     def with_batch(self, per_rank_batch: int) -> "Workload":
         return dataclasses.replace(self, per_rank_batch=per_rank_batch)
@@ -66,6 +74,11 @@ class PlanRequest:
     num_classes: int = 1000
     device_memory: float | None = None  # GiB; None: the CUDA device's, if there is one
     json: bool = False
+    # MEMORY_SETTINGS, as Workload's
+    opt: str = "sgd"
+    model_ema: bool = False
+    accum_steps: int = 1
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -79,8 +92,10 @@ class PlanRequest:
         if self.device_memory is not None and self.device_memory <= 0:
             raise UserError(f"--device-memory must be positive (GiB), got {self.device_memory}")
         config = Config(
-            arch=self.arch, batch_size=self.batch_size, image_size=self.image_size, amp=self.amp
-        )
+            arch=self.arch, batch_size=self.batch_size, image_size=self.image_size, amp=self.amp,
+            strategy="fsdp",  # which takes all of MEMORY_SETTINGS; ddp ignores its own
+            **{name: getattr(self, name) for name in MEMORY_SETTINGS},
+        )  # fmt: skip
         config.check_batch_divides(self.world_size)
 
     @property
@@ -96,6 +111,7 @@ class PlanRequest:
             self.per_rank_batch,
             self.image_size,
             self.amp,
+            **{name: getattr(self, name) for name in MEMORY_SETTINGS},
         )
 
 
@@ -198,11 +214,12 @@ def largest_batch(
     deadline: float | None = None,
 ) -> int | None:
     """The largest per-rank batch below the workload's whose peak fits `usable` bytes, or None
-    when not even 1 does. `figures`: the workload's trace. The peak grows almost linearly with
-    the batch: a secant search from the traced batch, each guess traced (at most
-    BATCH_SEARCH_TRACES of them)."""
-    batch = workload.per_rank_batch
-    fixed = sum(figures[k] for k in ("params", "grads", "optimizer", "buffers"))
+    when not even one image per forward pass does; under --accum-steps a multiple of it, as
+    the run's batch must be. `figures`: the workload's trace. The peak grows almost linearly
+    with the images of one forward: a secant search from the traced forward, each guess traced
+    (at most BATCH_SEARCH_TRACES of them)."""
+    forwards, batch = workload.accum_steps, workload.forward_batch
+    fixed = sum(figures[k] for k in ("params", "grads", "optimizer", "ema", "buffers"))
     fixed += figures["all_gather_peak"] or 0
     if (figures["bucket_rebuild"] or 0) > usable or fixed >= usable:
         return None
@@ -214,7 +231,8 @@ def largest_batch(
         guess = min(max(guess, fits + 1), fails - 1)
         if guess <= fits:
             break
-        peak = trace(workload.with_batch(guess), (strategy,), deadline)[strategy]["peak"]
+        guessed = workload.with_batch(guess * forwards)
+        peak = trace(guessed, (strategy,), deadline)[strategy]["peak"]
         if peak <= usable:
             fits = guess
         else:
@@ -222,7 +240,7 @@ def largest_batch(
         slope = max(1.0, (known[1] - peak) / (known[0] - guess))
         known = (guess, peak)
         guess = guess + int((usable - peak) // slope)
-    return fits or None
+    return fits * forwards or None
 
 
 def plan(request: PlanRequest) -> dict[str, dict]:
@@ -254,7 +272,8 @@ def size(n: int | None) -> str:
 ROWS = (
     ("parameters", "params"),
     ("gradients", "grads"),
-    ("optimizer (momentum)", "optimizer"),
+    ("optimizer state", "optimizer"),
+    ("EMA weights (--model-ema)", "ema"),
     ("buffers", "buffers"),
     ("activations", "activations"),
     ("input batch", "inputs"),
@@ -268,9 +287,13 @@ FIGURES = {key for _, key in ROWS}  # what the plan reads of a trace, per strate
 
 def table(request: PlanRequest, result: dict[str, dict]) -> str:
     r = request
+    per_rank = f"{r.per_rank_batch} per rank"
+    if r.accum_steps > 1:
+        per_rank += f" in {r.accum_steps} forward passes of {r.workload.forward_batch}"
     lines = [
         f"ddptrain plan: {r.arch} on {r.world_size} rank(s), global batch {r.batch_size} "
-        f"({r.per_rank_batch} per rank), {r.image_size} px, amp {r.amp}, {r.num_classes} classes",
+        f"({per_rank}), {r.image_size} px, amp {r.amp}, {r.num_classes} classes, --opt {r.opt}"
+        + (", --model-ema" if r.model_ema else ""),
         f"  {'per rank':<30}{'ddp':>12}{'fsdp':>12}",
     ]
     for label, key in ROWS:
@@ -334,11 +357,14 @@ def plan_line(
     it does not fit and alternatives are traced; all of them within `seconds`, or it fails."""
     deadline = time.monotonic() + seconds
     figures = trace(workload, (strategy,), deadline)[strategy]
-    state = sum(figures[k] for k in ("params", "grads", "optimizer"))
+    state = sum(figures[k] for k in ("params", "grads", "optimizer", "ema"))
+    per_rank = f"{workload.per_rank_batch} per rank"
+    if workload.accum_steps > 1:
+        per_rank += f" ({workload.forward_batch} per forward)"
+    ema = f" with the EMA's {size(figures['ema'])}" if figures["ema"] else ""
     line = (
-        f"plan: {strategy}, {workload.per_rank_batch} per rank: "
-        f"peak {size(figures['peak'])} per rank "
-        f"(model state {size(state)}, activations {size(figures['activations'])})"
+        f"plan: {strategy}, {per_rank}: peak {size(figures['peak'])} per rank "
+        f"(model state {size(state)}{ema}, activations {size(figures['activations'])})"
     )
     if device_memory_bytes is None:
         return line
@@ -356,5 +382,28 @@ def plan_line(
             f"{line}; will NOT fit {room}, not even at 1 image per rank: more ranks with "
             "--strategy fsdp shard the model state further"
         )
-    global_batch = fitting * workload.world_size
-    return f"{line}; will NOT fit {room}: -b {global_batch} would ({fitting} per rank)"
+    advice = f"-b {fitting * workload.world_size} would ({fitting} per rank)"
+    split = _accumulation_that_fits(workload, strategy, usable, fitting, deadline)
+    if split:
+        advice += (
+            f", or --accum-steps {split} at -b {workload.per_rank_batch * workload.world_size}"
+        )
+    return f"{line}; will NOT fit {room}: {advice}"
+
+
+def _accumulation_that_fits(
+    workload: Workload, strategy: str, usable: int, fitting: int, deadline: float
+) -> int | None:
+    """The fewest forward passes that take the run's per-rank batch within `usable` bytes,
+    which keeps its -b and so its optimizer steps (a recipe's LR and schedule), or None.
+    `fitting`: the largest per-rank batch that fits at the run's --accum-steps. Each split is
+    traced, as accumulating holds gradients of its own (tools/trace.py); two at most, from the
+    first whose forward pass is no larger than those of `fitting`."""
+    per_rank, largest_forward = workload.per_rank_batch, fitting // workload.accum_steps
+    splits = range(workload.accum_steps + 1, per_rank + 1)
+    small_enough = [k for k in splits if per_rank % k == 0 and per_rank // k <= largest_forward]
+    for split in small_enough[:2]:
+        split_workload = dataclasses.replace(workload, accum_steps=split)
+        if trace(split_workload, (strategy,), deadline)[strategy]["peak"] <= usable:
+            return split
+    return None

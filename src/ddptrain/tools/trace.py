@@ -8,7 +8,9 @@ own, started by `ddptrain.tools.plan`: the fake process group it initialises and
 must never meet a real run's process group or tensors.
 
 How each strategy is traced, as the trainer runs it (`train.step.Step`: forward, backward,
-optimizer step, zero_grad; SGD with momentum from `train.optim`):
+optimizer step, zero_grad, under --accum-steps over as many micro-batches, which fsdp does not
+reduce-scatter before the last, holding whole gradients; the request's optimizer from
+`train.optim`):
 - ddp: the plain model under `MemTracker`. With two or more ranks the trainer wraps it in DDP with
   gradient_as_bucket_view=True: DDP allocates buckets as large as all gradients when it is built,
   and after each backward a gradient is copied into its bucket and becomes a view of it, so the
@@ -21,10 +23,15 @@ optimizer step, zero_grad; SGD with momentum from `train.optim`):
 - fsdp: `ddptrain.model.fsdp.shard` over a fake process group of world_size ranks (this process is
   rank 0; FSDP2 pads every shard to the same size, so all ranks hold the same), under
   `FSDPMemTracker`, which also sees the all-gather and reduce-scatter buffers.
-The traced step is the second one: momentum buffers exist and gradients of the previous step are
-still held during forward (zero_grad comes after it), as in every step after the first.
+The traced step is the second one: the optimizer's state exists and gradients of the previous
+step are still held during forward (zero_grad comes after it), as in every step after the first.
+--model-ema's average is not traced but added: it is one more copy of what the rank holds (its
+parameters, under fsdp its shards, and its buffers), made before the first step and updated in
+place, so it adds its size to every moment of the step. It is made after DDP lays out its
+buckets (`run.py`), so the bucket rebuild does not hold it.
 """
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -86,7 +93,12 @@ def _fake_model(request: dict, strategy: str, fake_mode: FakeTensorMode) -> nn.M
     arch = request["arch"]
     model = _meta_model(arch, request["num_classes"], request["image_size"])
     if strategy == "fsdp":
-        shard(model, arch, DTYPES[request["amp"]])
+        shard(
+            model,
+            arch,
+            DTYPES[request["amp"]],
+            reshard_after_forward=request["reshard_after_forward"],
+        )
     fake_mode.allow_non_fake_inputs = True  # the meta parameters `to_empty` replaces
     try:
         with fake_mode:
@@ -96,15 +108,21 @@ def _fake_model(request: dict, strategy: str, fake_mode: FakeTensorMode) -> nn.M
     return model.train()
 
 
-def _keep_gradients_in_buckets(model: nn.Module) -> list[torch.Tensor]:
+def _keep_gradients_in_buckets(model: nn.Module, accum_steps: int) -> list[torch.Tensor]:
     """DDP's gradient_as_bucket_view, as a hook: each gradient copied into a bucket allocated up
-    front, then made a view of it. Returns the buckets (they must stay referenced)."""
+    front, then made a view of it. Under --accum-steps, the backward passes before a step's last
+    run in DDP's no_sync, which leaves each gradient where autograd made it (zero_grad set it to
+    None), beside its bucket, until the last copies it in: each step holds the gradients twice.
+    Returns the buckets (they must stay referenced)."""
     buckets = []
     for param in model.parameters():
         bucket = torch.empty_like(param)
         buckets.append(bucket)
+        backwards = itertools.count(1)
 
-        def into_bucket(p: torch.Tensor, bucket: torch.Tensor = bucket) -> None:
+        def into_bucket(p: torch.Tensor, bucket=bucket, backwards=backwards) -> None:
+            if next(backwards) % accum_steps:  # not the step's last backward: no_sync
+                return
             bucket.copy_(p.grad)
             p.grad = bucket
 
@@ -153,18 +171,19 @@ def trace(request: dict, strategy: str) -> dict[str, int | None]:
     model = _fake_model(request, strategy, fake_mode)
     wraps_in_ddp = strategy == "ddp" and request["world_size"] > 1
     with fake_mode:
-        config = Config(arch=request["arch"], amp=request["amp"])
+        config = Config(arch=request["arch"], amp=request["amp"], opt=request["opt"])
         optimizer, _ = build_optimizer(model, config)
         batch, size = request["per_rank_batch"], request["image_size"]
         images = torch.randn(batch, 3, size, size)
         target = torch.randint(0, request["num_classes"], (batch,))
-        buckets = _keep_gradients_in_buckets(model) if wraps_in_ddp else []
+        accum_steps = request["accum_steps"]
+        buckets = _keep_gradients_in_buckets(model, accum_steps) if wraps_in_ddp else []
         precision = Precision("cpu", request["amp"])
         # nn.CrossEntropyLoss's function: MemTracker refuses a module called more than once
         # outside the model, as the loss is for the auxiliary heads of googlenet and inception.
         criterion = nn.functional.cross_entropy
         try:
-            Step(model, optimizer, precision, criterion)(images, target)
+            Step(model, optimizer, precision, criterion, accum_steps=accum_steps)(images, target)
         except UNTRACEABLE as err:
             raise ModelError(
                 f"its step cannot be traced on fake tensors ({first_line(err)})"
@@ -178,22 +197,36 @@ def trace(request: dict, strategy: str) -> dict[str, int | None]:
             tracker = MemTracker()
             tracker.track_external(model, optimizer, images, target)
         after_forward = _after_forward(model, tracker)
+        earlier: list[dict[str, int]] = []  # of the micro-batches before the last
+
+        def before_each_forward(phase: str) -> None:
+            # A tracker follows one forward of each module at a time: under --accum-steps,
+            # keep what it saw of a micro-batch before the next one's forward.
+            if phase == "forward":
+                earlier.extend(_all_snapshots(tracker))
+                tracker.reset_mod_stats()
+
+        step = Step(model, optimizer, precision, criterion, accum_steps=accum_steps)
+        step.mark = before_each_forward
         with tracker:
             before = _named(tracker.get_tracker_snapshot("current"))
-            Step(model, optimizer, precision, criterion)(images, target)
+            step(images, target)
         del buckets
-    return _figures(strategy, before, after_forward["snapshot"], tracker, wraps_in_ddp)
+    snapshots = earlier + _all_snapshots(tracker)
+    figures = _figures(strategy, before, after_forward["snapshot"], snapshots, wraps_in_ddp)
+    return _with_ema(figures) if request["model_ema"] else figures
 
 
-def _figures(strategy, before, after_forward, tracker, wraps_in_ddp) -> dict[str, int | None]:
-    snapshots = _all_snapshots(tracker)
-    step_peak = max(s.get("Total", 0) for s in snapshots)
+def _figures(strategy, before, after_forward, snapshots, wraps_in_ddp) -> dict[str, int | None]:
+    at_step_peak = max(snapshots, key=lambda s: s.get("Total", 0))
+    step_peak = at_step_peak.get("Total", 0)
     sharded = strategy == "fsdp"
     grads = before.get("Sharded Grad" if sharded else "Gradient", 0)
     figures = {
         "params": before.get("Sharded Param" if sharded else "Parameter", 0),
         "grads": grads,
         "optimizer": before.get("OptState" if sharded else "Optstate", 0),
+        "ema": 0,
         "buffers": before.get("Buffer", 0),
         "inputs": before.get("Inputs" if sharded else "Other", 0),
         "activations": after_forward.get("Activation", 0),
@@ -214,11 +247,24 @@ def _figures(strategy, before, after_forward, tracker, wraps_in_ddp) -> dict[str
         figures["bucket_rebuild"] = before.get("Total", 0) - figures["optimizer"] + grads
     figures["peak"] = max(step_peak, figures["bucket_rebuild"] or 0)
     figures["at_step_peak"] = {
-        name: size
-        for name, size in _named(tracker.get_tracker_snapshot("peak")).items()
-        if size and name != "Total"
+        name: size for name, size in at_step_peak.items() if size and name != "Total"
     }
     return figures
+
+
+def _with_ema(figures: dict) -> dict:
+    """The figures with --model-ema's average held through the step (see the module's doc)."""
+    ema = figures["params"] + figures["buffers"]
+    step_peak = figures["step_peak"] + ema
+    at_step_peak = {**figures["at_step_peak"], "EMA": ema}
+    peak = max(step_peak, figures["bucket_rebuild"] or 0)
+    return {
+        **figures,
+        "ema": ema,
+        "step_peak": step_peak,
+        "peak": peak,
+        "at_step_peak": at_step_peak,
+    }
 
 
 def main(argv: list[str]) -> int:
