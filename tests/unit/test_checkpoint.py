@@ -190,6 +190,26 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint_and_names_it(tmp_path, da
     assert warning.startswith("--resume auto: skipping") and "checkpoint-000000008.pt" in warning
 
 
+def test_a_checkpoint_of_a_later_format_is_refused_not_skipped(tmp_path):
+    save_steps(tmp_path, [4, 8])
+    newest = tmp_path / "checkpoint-000000008.pt"
+    later = {**torch.load(newest, weights_only=True), "format_version": FORMAT_VERSION + 1}
+    torch.save(later, newest)
+    message = (
+        f"{newest} was written by a newer ddptrain (checkpoint format {FORMAT_VERSION + 1}; "
+        f"this one reads formats 1 to {FORMAT_VERSION}): use that ddptrain or a later one"
+    )
+    with pytest.raises(files.NewerFormat) as refused:
+        files.load(newest)
+    assert str(refused.value) == message
+    # Not skipped for the older one beside it, which would fork the run that wrote it.
+    with pytest.raises(files.NewerFormat, match="checkpoint-000000008.pt"):
+        files.resolve("auto", tmp_path)
+    # Earlier formats (1: no format_version) still load.
+    torch.save({k: v for k, v in later.items() if k != "format_version"}, newest)
+    assert files.load(newest)["global_step"] == 8
+
+
 def test_stale_temp_files_are_removed_and_never_chosen(tmp_path):
     save_steps(tmp_path, [4])
     stale = tmp_path / ".checkpoint-000000008.pt.abc123.tmp"

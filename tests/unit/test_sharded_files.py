@@ -87,6 +87,17 @@ def test_a_damaged_folder_is_named_and_resume_auto_falls_back(saved, damage, mes
     assert f"skipping {newest}" in warning
 
 
+def test_a_folder_of_a_later_format_is_refused_not_skipped(saved):
+    out_dir, _, _ = saved
+    folder = out_dir / "checkpoint-000000020.dcp"
+    state = torch.load(folder / sharded.STATE, weights_only=True)
+    torch.save({**state, "format_version": files.FORMAT_VERSION + 1}, folder / sharded.STATE)
+    with pytest.raises(files.NewerFormat, match=f"{folder} was written by a newer ddptrain"):
+        files.load(folder)
+    with pytest.raises(files.NewerFormat):
+        files.resolve("auto", out_dir)
+
+
 class _Planted:
     def __reduce__(self):
         return (os.mkdir, (MARKER,))

@@ -38,9 +38,8 @@ from ddptrain.dist.collectives import agree, broadcast_buffers
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.state import files, sharded
+from ddptrain.state.files import FORMAT_VERSION
 
-# 2: the schedule steps per optimizer step (1: per epoch).
-FORMAT_VERSION = 2
 # Full tensors, on the CPU, on rank 0 only (the other ranks get empty dicts).
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

@@ -26,6 +26,9 @@ from ddptrain.errors import UserError, WriteFailed, first_line, format_bytes, wr
 
 LATEST, BEST = "checkpoint.pt", "model_best.pt"
 NUMBERED = re.compile(r"checkpoint-(\d+)\.(pt|dcp)")
+# What a checkpoint holds and means, raised when that changes. 2: the schedule steps per
+# optimizer step (1: per epoch).
+FORMAT_VERSION = 2
 
 
 def _umask() -> int:
@@ -244,6 +247,8 @@ def resolve(
             if not weights_finite(load(path, mmap=True)):
                 raise UserError(f"{path} holds non-finite weights")
             return path
+        except NewerFormat:
+            raise  # resuming an older checkpoint instead would fork the run another wrote
         except UserError as err:
             skipped(f"--resume auto: skipping {err}")
     return None
@@ -302,4 +307,22 @@ def load(path: Path, mmap: bool = False) -> dict:
     checkpoint = safe_load(path, "ddptrain checkpoint", mmap=mmap)
     if not isinstance(checkpoint, dict) or "model" not in checkpoint:
         raise UserError(f"{path} is not a ddptrain checkpoint (no 'model' entry)")
+    check_format(checkpoint, path)
     return checkpoint
+
+
+class NewerFormat(UserError):
+    """A checkpoint of a later format than this ddptrain reads."""
+
+
+def check_format(checkpoint: dict, path: Path) -> None:
+    """A checkpoint of a later format is refused: this ddptrain would read the parts it knows
+    and quietly drop or misread the rest (as a ddptrain from before the EMA's weights were
+    sharded restarts the EMA of a folder that shards them). Earlier formats are read as they
+    were written."""
+    version = checkpoint.get("format_version", 1)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise NewerFormat(
+            f"{path} was written by a newer ddptrain (checkpoint format {version}; this one "
+            f"reads formats 1 to {FORMAT_VERSION}): use that ddptrain or a later one"
+        )

@@ -143,7 +143,15 @@ class Stored:
 
 def read(folder: Path) -> dict:
     """A sharded checkpoint's state.pt, with its SHARDED_PARTS as `Stored` parts. Checks
-    that the metadata is readable and every shard file it names is there, whole."""
+    its format, then that the metadata is readable and every shard file it names is there,
+    whole."""
+    state_path = folder / STATE
+    if not state_path.is_file():
+        raise UserError(f"{folder} is damaged: its {STATE} is missing")
+    checkpoint = files.safe_load(state_path, "ddptrain checkpoint")
+    if not isinstance(checkpoint, dict):
+        raise UserError(f"{state_path} is not a ddptrain checkpoint")
+    files.check_format(checkpoint, folder)
     metadata = read_metadata(folder)
     ends: dict[str, int] = {}
     for item in metadata.storage_data.values():
@@ -155,12 +163,6 @@ def read(folder: Path) -> dict:
             raise UserError(f"{folder} is damaged: its shard {name} is missing") from None
         if size < end:
             raise UserError(f"{folder} is damaged: its shard {name} is truncated")
-    state_path = folder / STATE
-    if not state_path.is_file():
-        raise UserError(f"{folder} is damaged: its {STATE} is missing")
-    checkpoint = files.safe_load(state_path, "ddptrain checkpoint")
-    if not isinstance(checkpoint, dict):
-        raise UserError(f"{state_path} is not a ddptrain checkpoint")
     return {**checkpoint, **{part: Stored(folder, part, metadata) for part in _parts(metadata)}}
 
 
