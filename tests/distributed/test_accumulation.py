@@ -108,6 +108,34 @@ def _all_reduces_in_a_step(env, accum_steps):
     return len(reduced)
 
 
+def _gradient_storage_in_accumulated_steps(env):
+    """Where each gradient lives during the backward passes of three accumulated steps: the
+    distinct storages seen per parameter, and whether each was one of DDP's buckets."""
+    model = wrap(bn_free_model(), env)
+    seen = {name: set() for name, _ in model.module.named_parameters()}
+    for name, param in model.module.named_parameters():
+        param.register_post_accumulate_grad_hook(
+            lambda p, name=name: seen[name].add(p.grad.untyped_storage().data_ptr())
+        )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = Step(model, optimizer, accum_steps=2)
+    images, target = my_slice(env, *batch())
+    step(images, target)  # the first: DDP makes its gradients views of its buckets at the end
+    for ptrs in seen.values():
+        ptrs.clear()
+    for _ in range(2):
+        step(images, target)
+    buckets = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    return {name: (len(ptrs), ptrs <= buckets) for name, ptrs in seen.items()}
+
+
+def test_accumulating_under_ddp_keeps_the_gradients_in_its_buckets():
+    """Zeroed there, not set to None: the backward passes in no_sync then accumulate into the
+    buckets instead of making a second set of gradients beside them."""
+    for per_parameter in run_ranks(_gradient_storage_in_accumulated_steps, 2):
+        assert set(per_parameter.values()) == {(1, True)}, per_parameter
+
+
 def test_the_average_of_the_weights_on_two_ranks_equals_one_process():
     """--model-ema-decay is per optimizer step of the global batch: the same average at any
     world size."""

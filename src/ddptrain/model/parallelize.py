@@ -198,6 +198,13 @@ def no_gradient_sync(model: nn.Module):
         yield
 
 
+def gradients_in_buckets(model: nn.Module) -> bool:
+    """Whether the model's gradients are views into DDP's buckets (gradient_as_bucket_view),
+    which DDP keeps allocated for the whole run."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
+    return isinstance(model, DistributedDataParallel) and model.gradient_as_bucket_view
+
+
 def compile_model(model: nn.Module) -> nn.Module:
     """The wrapped model under torch.compile (--compile); `unwrap` finds the module under it.
 

@@ -111,9 +111,9 @@ def _fake_model(request: dict, strategy: str, fake_mode: FakeTensorMode) -> nn.M
 def _keep_gradients_in_buckets(model: nn.Module, accum_steps: int) -> list[torch.Tensor]:
     """DDP's gradient_as_bucket_view, as a hook: each gradient copied into a bucket allocated up
     front, then made a view of it. Under --accum-steps, the backward passes before a step's last
-    run in DDP's no_sync, which leaves each gradient where autograd made it (zero_grad set it to
-    None), beside its bucket, until the last copies it in: each step holds the gradients twice.
-    Returns the buckets (they must stay referenced)."""
+    run in DDP's no_sync, which leaves each gradient where autograd accumulates it: in the
+    bucket, where `Step` zeroes it (in the first step, beside it, until the last backward
+    copies it in). Returns the buckets (they must stay referenced)."""
     buckets = []
     for param in model.parameters():
         bucket = torch.empty_like(param)
@@ -182,8 +182,11 @@ def trace(request: dict, strategy: str) -> dict[str, int | None]:
         # nn.CrossEntropyLoss's function: MemTracker refuses a module called more than once
         # outside the model, as the loss is for the auxiliary heads of googlenet and inception.
         criterion = nn.functional.cross_entropy
+        step = Step(model, optimizer, precision, criterion, accum_steps=accum_steps)
+        if wraps_in_ddp:  # as Step decides for DDP itself
+            step.set_to_none = accum_steps == 1
         try:
-            Step(model, optimizer, precision, criterion, accum_steps=accum_steps)(images, target)
+            step(images, target)
         except UNTRACEABLE as err:
             raise ModelError(
                 f"its step cannot be traced on fake tensors ({first_line(err)})"
@@ -206,7 +209,6 @@ def trace(request: dict, strategy: str) -> dict[str, int | None]:
                 earlier.extend(_all_snapshots(tracker))
                 tracker.reset_mod_stats()
 
-        step = Step(model, optimizer, precision, criterion, accum_steps=accum_steps)
         step.mark = before_each_forward
         with tracker:
             before = _named(tracker.get_tracker_snapshot("current"))

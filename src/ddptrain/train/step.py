@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ddptrain.model.parallelize import no_gradient_sync
+from ddptrain.model.parallelize import gradients_in_buckets, no_gradient_sync
 from ddptrain.model.precision import Precision
 
 AUX_WEIGHT = 0.4  # googlenet and inception_v3 auxiliary heads, as torchvision's references
@@ -41,6 +41,10 @@ class Step:
         self.criterion = criterion or nn.CrossEntropyLoss()
         self.accum_steps, self.clip_grad_norm = accum_steps, clip_grad_norm
         self.skip_nonfinite = skip_nonfinite
+        # Accumulating under DDP, the gradients are zeroed where they live, in its buckets: set
+        # to None, the backward passes in no_sync would make them anew beside the buckets and
+        # the step would hold them twice.
+        self.set_to_none = not (accum_steps > 1 and gradients_in_buckets(model))
         self.skipped = False  # the last call dropped its update (--nonfinite skip)
 
     def forward(self, images: torch.Tensor, target: torch.Tensor):
@@ -111,7 +115,7 @@ class Step:
                     # The last step's gradients go just before the first backward, as the
                     # classic loop does (what `ddptrain plan` traces); under DDP they are views
                     # into its buckets, which live for the whole run anyway.
-                    self.optimizer.zero_grad(set_to_none=True)
+                    self.optimizer.zero_grad(set_to_none=self.set_to_none)
                 self.mark("backward")  # DDP's all-reduce runs inside it
                 self.backward(loss)
             losses.append(loss.detach())
@@ -124,7 +128,7 @@ class Step:
             # the checks on the loss (train_epoch's, on device) catch it at this very step.
             loss = torch.where(self.finite(losses), loss, float("nan"))
         if self.skipped:
-            self.optimizer.zero_grad(set_to_none=True)  # the update dropped on every rank
+            self.optimizer.zero_grad(set_to_none=self.set_to_none)  # dropped on every rank
         else:
             self.mark("optimizer step")
             self.clip()
