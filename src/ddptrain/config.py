@@ -20,7 +20,7 @@ AMP = ("auto", "none", "bf16", "fp16")
 STRATEGIES = ("ddp", "fsdp")
 # The settings, besides the model, batch and precision, that change what a rank holds: `ddptrain
 # plan` takes them as flags, as train does, and traces them as a run sets them.
-MEMORY_SETTINGS = ("opt", "model_ema", "accum_steps", "reshard_after_forward")
+MEMORY_SETTINGS = ("opt", "momentum", "model_ema", "accum_steps", "reshard_after_forward")
 CHECKPOINT_FORMATS = ("full", "sharded")
 BAD_IMAGES = ("error", "skip")
 # PIL's own default limit (1024 * 1024 * 1024 // 4 // 3): about a 9,500 px square.

@@ -208,6 +208,12 @@ def test_a_checkpoint_of_a_later_format_is_refused_not_skipped(tmp_path):
     # Earlier formats (1: no format_version) still load.
     torch.save({k: v for k, v in later.items() if k != "format_version"}, newest)
     assert files.load(newest)["global_step"] == 8
+    # A format that is no number is a damaged file: skipped, as any other.
+    for nonsense in ("3", None, True, 0):
+        torch.save({**later, "format_version": nonsense}, newest)
+        with pytest.raises(UserError, match=r"is not a ddptrain checkpoint \(format_version"):
+            files.load(newest)
+        assert files.resolve("auto", tmp_path) == tmp_path / "checkpoint-000000004.pt"
 
 
 def test_stale_temp_files_are_removed_and_never_chosen(tmp_path):

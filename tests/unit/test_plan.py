@@ -194,6 +194,22 @@ def test_under_accumulation_the_search_is_over_whole_forward_passes(traces):
 
 def test_plan_line_when_nothing_fits(traces):
     assert "not even at 1 image per rank" in plan_line("fsdp", 300 * MiB)
+    accumulating = Workload("resnet50", 1000, 2, 8, 224, "none", accum_steps=2)
+    line = planner.plan_line(accumulating, "fsdp", 300 * MiB)
+    assert "not even at 1 image per forward pass (2 per rank)" in line
+
+
+def test_a_candidate_that_does_not_trace_counts_as_not_fitting(traces, monkeypatch):
+    stand_in = planner.trace
+
+    def trace(workload, strategies, deadline=None):
+        if workload.forward_batch == 1:  # as BatchNorm refuses one image
+            raise UserError("--arch resnet50: it does not run on 224 px crops")
+        return stand_in(workload, strategies, deadline)
+
+    monkeypatch.setattr(planner, "trace", trace)
+    # 4 forward passes of 1 would keep -b 8 (see above), but do not trace: the rest stands.
+    assert plan_line("fsdp", int(0.6 * GiB)).endswith(": -b 4 would (2 per rank)")
 
 
 def test_a_trace_is_kept_and_a_damaged_kept_file_is_traced_again(monkeypatch, tmp_path):
@@ -240,7 +256,10 @@ def test_a_run_plans_with_its_own_flags(monkeypatch):
         model_ema=True, accum_steps=2, reshard_after_forward=False,
     )  # fmt: skip
     assert _plan(config, env, 10, "bf16") == "plan: traced"
-    workload = Workload("resnet18", 10, 2, 8, 32, "bf16", "adamw", True, 2, False)
+    workload = Workload(
+        "resnet18", 10, 2, 8, 32, "bf16",
+        opt="adamw", model_ema=True, accum_steps=2, reshard_after_forward=False,
+    )  # fmt: skip
     assert planned == [(workload, "fsdp", None)]
     # What a trace on one device cannot place: said, not left out silently.
     offloaded = Config(arch="resnet18", batch_size=16, strategy="fsdp", fsdp_offload=True)
@@ -252,11 +271,12 @@ def test_a_run_plans_with_its_own_flags(monkeypatch):
 def test_plan_takes_the_run_flags_that_change_memory():
     command, request = parse(
         ["plan", "-a", "resnet18", "--world-size", "2", "-b", "8", "--opt", "adamw",
-         "--model-ema", "--accum-steps", "2", "--no-reshard-after-forward"]
+         "--momentum", "0", "--model-ema", "--accum-steps", "2", "--no-reshard-after-forward"]
     )  # fmt: skip
     assert request.workload == Workload(
-        "resnet18", 1000, 2, 4, 224, "none", "adamw", True, 2, False
-    )
+        "resnet18", 1000, 2, 4, 224, "none",
+        opt="adamw", momentum=0.0, model_ema=True, accum_steps=2, reshard_after_forward=False,
+    )  # fmt: skip
     assert parse(["plan", "-a", "resnet18"])[1].workload == Workload(
         "resnet18", 1000, 1, 256, 224, "none"
     )

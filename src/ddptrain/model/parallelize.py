@@ -141,8 +141,10 @@ def lay_out_buckets(
     chunks by offset), so the resumed run drifted from the uninterrupted one (measured on 3 gloo
     ranks; 2 ranks add a + b, the same either way). Done here, the re-layout (old and new
     buckets held at once) also comes before the optimizer holds any state, a resumed one's
-    included. A collective. The weights, buffers (BatchNorm's statistics) and gradients are left
-    as they were."""
+    included. A collective. The weights and buffers (BatchNorm's statistics) are left as they
+    were; the gradients are zeros in the new buckets, as they are after every later step that
+    zeroes them there (train.step, accumulating): DDP averages a gradient that is its bucket in
+    place and copies and scales one beside it, which differ in the last bit on 3 ranks."""
     module = ddp.module
     buffers = [buffer.clone() for buffer in module.buffers()]
     device_type = example.device.type
@@ -150,7 +152,7 @@ def lay_out_buckets(
         outputs = ddp(example)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)  # auxiliary heads
     sum(output.float().sum() for output in outputs).backward()
-    module.zero_grad(set_to_none=True)
+    module.zero_grad(set_to_none=False)  # views of the buckets, which the re-layout moves
     with torch.no_grad():
         for buffer, kept in zip(module.buffers(), buffers, strict=True):
             buffer.copy_(kept)

@@ -138,15 +138,35 @@ class OptimizerState(ModelState):
         self.optimizer = optimizer
 
     def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer, options=_GATHER)
+        with _gradients_set_aside(self.model):
+            return get_optimizer_state_dict(self.model, self.optimizer, options=_GATHER)
 
     def local_state_dict(self) -> dict:
         # A fresh optimizer's state is created here (a step with zero gradients and lr 0), so
         # that a sharded load has tensors to fill.
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        with _gradients_set_aside(self.model):
+            return get_optimizer_state_dict(self.model, self.optimizer)
 
     def _set(self, state: dict, options: StateDictOptions) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
+        with _gradients_set_aside(self.model):
+            set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
+
+
+@contextlib.contextmanager
+def _gradients_set_aside(model: nn.Module) -> Iterator[None]:
+    """No gradients while inside, the same ones after. torch's optimizer state dict functions
+    make a fresh optimizer's state to load into (a step with zero gradients and lr 0) only when
+    no parameter has a gradient; under ddp the gradients are zeros in DDP's buckets before the
+    first step (model.parallelize.lay_out_buckets)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    kept = [p.grad for p in params]
+    for param in params:
+        param.grad = None
+    try:
+        yield
+    finally:
+        for param, grad in zip(params, kept, strict=True):
+            param.grad = grad
 
 
 @contextlib.contextmanager

@@ -321,7 +321,9 @@ def check_format(checkpoint: dict, path: Path) -> None:
     sharded restarts the EMA of a folder that shards them). Earlier formats are read as they
     were written."""
     version = checkpoint.get("format_version", 1)
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if type(version) is not int or version < 1:  # bool is an int too
+        raise UserError(f"{path} is not a ddptrain checkpoint (format_version {version!r})")
+    if version > FORMAT_VERSION:
         raise NewerFormat(
             f"{path} was written by a newer ddptrain (checkpoint format {version}; this one "
             f"reads formats 1 to {FORMAT_VERSION}): use that ddptrain or a later one"

@@ -50,6 +50,7 @@ class Workload:
     image_size: int
     amp: str
     opt: str = "sgd"
+    momentum: float = 0.9  # SGD keeps no state without it
     model_ema: bool = False
     accum_steps: int = 1  # forward passes the per-rank batch is split into
     reshard_after_forward: bool = True  # fsdp's
@@ -76,6 +77,7 @@ class PlanRequest:
     json: bool = False
     # MEMORY_SETTINGS, as Workload's
     opt: str = "sgd"
+    momentum: float = 0.9
     model_ema: bool = False
     accum_steps: int = 1
     reshard_after_forward: bool = True
@@ -231,8 +233,10 @@ def largest_batch(
         guess = min(max(guess, fits + 1), fails - 1)
         if guess <= fits:
             break
-        guessed = workload.with_batch(guess * forwards)
-        peak = trace(guessed, (strategy,), deadline)[strategy]["peak"]
+        peak = _traced_peak(workload.with_batch(guess * forwards), strategy, deadline)
+        if peak is None:  # no answer, but no bound either (BatchNorm refuses 1, takes 2)
+            guess += 1
+            continue
         if peak <= usable:
             fits = guess
         else:
@@ -243,9 +247,19 @@ def largest_batch(
     return fits * forwards or None
 
 
+def _traced_peak(workload: Workload, strategy: str, deadline: float | None) -> int | None:
+    """The peak of a workload traced while looking for one that fits, or None where it does not
+    trace (a model that cannot train on one image per forward pass: BatchNorm) or the time is
+    up: not an answer, and the advice already found stands."""
+    try:
+        return trace(workload, (strategy,), deadline)[strategy]["peak"]
+    except (UserError, RuntimeError):
+        return None
+
+
 def plan(request: PlanRequest) -> dict[str, dict]:
     """Both strategies' figures, each with whether it fits the device and, if not, the largest
-    global batch that would (None: not even 1 per rank)."""
+    global batch that would (None: not even 1 per forward pass)."""
     result = trace(request.workload, STRATEGIES)
     device = cuda_memory() if request.device_memory is None else int(request.device_memory * GiB)
     for strategy, figures in result.items():
@@ -331,7 +345,7 @@ def verdict(request: PlanRequest, result: dict[str, dict]) -> str:
 
     def batch(s: str) -> str:
         b = result[s]["fitting_batch"]
-        return f"{s} fits -b {b}" if b else f"{s} not even at 1 image per rank"
+        return f"{s} fits -b {b}" if b else f"{s} not even at {_least(request.workload)}"
 
     return (
         f"Neither fits {room} at -b {request.batch_size}: {batch('ddp')}, {batch('fsdp')}"
@@ -373,13 +387,13 @@ def plan_line(
     if figures["peak"] <= usable:
         return f"{line}; fits {room}"
     other = "fsdp" if strategy == "ddp" else "ddp"
-    other_peak = trace(workload, (other,), deadline)[other]["peak"]
-    if other_peak <= usable:
+    other_peak = _traced_peak(workload, other, deadline)
+    if other_peak is not None and other_peak <= usable:
         return f"{line}; will NOT fit {room}: --strategy {other} would (peak {size(other_peak)})"
     fitting = largest_batch(workload, strategy, usable, figures, deadline)
     if fitting is None:
         return (
-            f"{line}; will NOT fit {room}, not even at 1 image per rank: more ranks with "
+            f"{line}; will NOT fit {room}, not even at {_least(workload)}: more ranks with "
             "--strategy fsdp shard the model state further"
         )
     advice = f"-b {fitting * workload.world_size} would ({fitting} per rank)"
@@ -403,7 +417,14 @@ def _accumulation_that_fits(
     splits = range(workload.accum_steps + 1, per_rank + 1)
     small_enough = [k for k in splits if per_rank % k == 0 and per_rank // k <= largest_forward]
     for split in small_enough[:2]:
-        split_workload = dataclasses.replace(workload, accum_steps=split)
-        if trace(split_workload, (strategy,), deadline)[strategy]["peak"] <= usable:
+        peak = _traced_peak(dataclasses.replace(workload, accum_steps=split), strategy, deadline)
+        if peak is not None and peak <= usable:
             return split
     return None
+
+
+def _least(workload: Workload) -> str:
+    """The smallest batch a rank can take at the workload's --accum-steps."""
+    if workload.accum_steps == 1:
+        return "1 image per rank"
+    return f"1 image per forward pass ({workload.accum_steps} per rank)"

@@ -112,8 +112,8 @@ def _keep_gradients_in_buckets(model: nn.Module, accum_steps: int) -> list[torch
     """DDP's gradient_as_bucket_view, as a hook: each gradient copied into a bucket allocated up
     front, then made a view of it. Under --accum-steps, the backward passes before a step's last
     run in DDP's no_sync, which leaves each gradient where autograd accumulates it: in the
-    bucket, where `Step` zeroes it (in the first step, beside it, until the last backward
-    copies it in). Returns the buckets (they must stay referenced)."""
+    bucket, where `Step` zeroes it (and where `lay_out_buckets` leaves it before the first
+    step). Returns the buckets (they must stay referenced)."""
     buckets = []
     for param in model.parameters():
         bucket = torch.empty_like(param)
@@ -171,7 +171,12 @@ def trace(request: dict, strategy: str) -> dict[str, int | None]:
     model = _fake_model(request, strategy, fake_mode)
     wraps_in_ddp = strategy == "ddp" and request["world_size"] > 1
     with fake_mode:
-        config = Config(arch=request["arch"], amp=request["amp"], opt=request["opt"])
+        config = Config(
+            arch=request["arch"],
+            amp=request["amp"],
+            opt=request["opt"],
+            momentum=request["momentum"],
+        )
         optimizer, _ = build_optimizer(model, config)
         batch, size = request["per_rank_batch"], request["image_size"]
         images = torch.randn(batch, 3, size, size)
