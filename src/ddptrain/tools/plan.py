@@ -49,11 +49,12 @@ class Workload:
     per_rank_batch: int
     image_size: int
     amp: str
-    opt: str = "sgd"
-    momentum: float = 0.9  # SGD keeps no state without it
-    model_ema: bool = False
-    accum_steps: int = 1  # forward passes the per-rank batch is split into
-    reshard_after_forward: bool = True  # fsdp's
+    # MEMORY_SETTINGS, by default train's
+    opt: str = Config.opt
+    momentum: float = Config.momentum  # SGD keeps no state without it
+    model_ema: bool = Config.model_ema
+    accum_steps: int = Config.accum_steps  # forward passes the per-rank batch is split into
+    reshard_after_forward: bool = Config.reshard_after_forward  # fsdp's
 
     @property
     def forward_batch(self) -> int:
@@ -75,12 +76,12 @@ class PlanRequest:
     num_classes: int = 1000
     device_memory: float | None = None  # GiB; None: the CUDA device's, if there is one
     json: bool = False
-    # MEMORY_SETTINGS, as Workload's
-    opt: str = "sgd"
-    momentum: float = 0.9
-    model_ema: bool = False
-    accum_steps: int = 1
-    reshard_after_forward: bool = True
+    # MEMORY_SETTINGS, by default train's
+    opt: str = Config.opt
+    momentum: float = Config.momentum
+    model_ema: bool = Config.model_ema
+    accum_steps: int = Config.accum_steps
+    reshard_after_forward: bool = Config.reshard_after_forward
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
