@@ -179,7 +179,8 @@ class Config:
     )
     reshard_after_forward: bool = _flag(
         True,
-        "fsdp: free each gathered block after its forward (less memory, one more all-gather)",
+        "fsdp: free each gathered block but the last after its forward (less memory, one more "
+        "all-gather per block)",
         negatable=True,
     )
     ddp_comm_hook: str = _flag(

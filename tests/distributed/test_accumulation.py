@@ -1,6 +1,8 @@
 """Gradient accumulation and clipping on real gloo ranks: the same step as the full batch on
 one process."""
 
+import itertools
+
 import pytest
 import torch
 from harness import run_ranks
@@ -148,7 +150,7 @@ def test_loss_scaling_skips_and_steps_alike_with_gradients_zeroed_in_the_buckets
     (scales, weights), (_, rank1_weights) = zeroed
     assert (scales, weights.tolist()) == (set_to_none[0][0], set_to_none[0][1].tolist())
     assert torch.equal(weights, rank1_weights)
-    changes = [later / earlier for earlier, later in zip(scales, scales[1:])]
+    changes = [later / earlier for earlier, later in itertools.pairwise(scales)]
     assert 0.5 in changes and 2.0 in changes  # steps skipped, and steps taken (the scale grew)
     assert not torch.equal(weights, torch.cat([p.flatten() for p in bn_free_model().parameters()]))
 

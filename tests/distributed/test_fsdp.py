@@ -7,6 +7,7 @@ import torchvision
 from harness import run_ranks
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
 
 from ddptrain.config import Config
 from ddptrain.data.loaders import build_data
@@ -179,6 +180,40 @@ def test_shard_units_are_the_blocks():
     assert [type(u).__name__ for u in shard_units(model)] == ["Bottleneck"] * 16
     vgg = torchvision.models.vgg11()
     assert len(shard_units(vgg)) == 8 + 3  # the convolutions of `features`, the Linears
+
+
+def test_after_forward_only_the_last_block_and_the_root_stay_gathered():
+    """Backward begins with the last block and ends with the root: freed after forward, each
+    would be gathered again at once. --no-reshard-after-forward keeps every block gathered."""
+    resharding, keeping = run_ranks(_gathered_after_forward, 2)[0]
+    assert resharding == {"layer4.1": True, "root": True, "others": False}
+    assert keeping == {"layer4.1": True, "root": True, "others": True}
+
+
+def _gathered_after_forward(env):
+    """Whether the last block's, the root's and all the other blocks' parameters are gathered
+    (plain tensors, not DTensor shards) after a training forward of a 2-rank resnet18."""
+    seen = []
+    for reshard_after_forward in (True, False):
+        model = build_model("resnet18", 3, 16, False, meta=builds_on_meta(env, "fsdp"))
+        model = wrap(
+            model,
+            env,
+            strategy="fsdp",
+            arch="resnet18",
+            reshard_after_forward=reshard_after_forward,
+        )
+        model(torch.randn(2, 3, 16, 16)).sum()  # no backward: as backward would find them
+        gathered = {name: not isinstance(p, DTensor) for name, p in model.named_parameters()}
+        blocks = [name for name in gathered if name.startswith("layer") and name[8] == "."]
+        seen.append(
+            {
+                "layer4.1": all(gathered[n] for n in blocks if n.startswith("layer4.1.")),
+                "root": gathered["conv1.weight"] and gathered["fc.weight"],
+                "others": any(gathered[n] for n in blocks if not n.startswith("layer4.1.")),
+            }
+        )
+    return seen
 
 
 RANK0 = type("Rank0", (), {"rank": 0})()

@@ -1,7 +1,8 @@
 """FSDP2 for torchvision models: which modules become their own shard group, and the wrapping.
 
 Each block of the network is a unit: its parameters are gathered just before its forward and
-freed after, so a rank holds the whole of one block at a time and a shard of the rest. The rule:
+freed after (but the last block's, which backward needs first: see `shard`), so a rank holds the
+whole of one block at a time and a shard of the rest. The rule:
 
 1. the blocks torchvision builds its models from (`BLOCKS`: ResNet's BasicBlock and Bottleneck,
    ViT's EncoderBlock, ConvNeXt's CNBlock, Swin, MobileNet, ShuffleNet, MNASNet, RegNet,
@@ -161,9 +162,10 @@ def shard(
             fully_shard(norms, reshard_after_forward=False, **fp32)
             groups.append(norms[0])
         if norms != [unit]:  # else the unit is itself a BatchNorm (vgg*_bn's, under rule 2)
-            # The root's parameters (stem, head) are used last in backward: keeping them
-            # gathered after forward saves one all-gather per step.
-            reshard = reshard_after_forward and unit is not model
+            # Two groups stay gathered after forward, each saving one all-gather per step: the
+            # root (stem, head), used last in backward, and the last unit, used first: backward
+            # would gather it again at once, before anything could overlap that gather.
+            reshard = reshard_after_forward and unit not in (model, units[-1])
             fully_shard(unit, reshard_after_forward=reshard, **options)
             groups.append(unit)
     if device.type == "cpu" and dist.get_backend(options["mesh"].get_group()) == "gloo":
