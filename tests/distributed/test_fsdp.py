@@ -18,6 +18,7 @@ from ddptrain.model.precision import Precision
 from ddptrain.state.checkpointer import Checkpointer, ModelState, TrainState, training_parts
 from ddptrain.state.files import load
 from ddptrain.train.step import Step
+from ddptrain.train.trainer import evaluate
 
 META = {"arch": "resnet18", "num_classes": 3, "class_to_idx": {}, "config": {}}
 
@@ -184,15 +185,17 @@ def test_shard_units_are_the_blocks():
 
 def test_after_forward_only_the_last_block_and_the_root_stay_gathered():
     """Backward begins with the last block and ends with the root: freed after forward, each
-    would be gathered again at once. --no-reshard-after-forward keeps every block gathered."""
+    would be gathered again at once. --no-reshard-after-forward keeps every block gathered.
+    An evaluation, a forward with no backward to free them, leaves none gathered."""
     resharding, keeping = run_ranks(_gathered_after_forward, 2)[0]
-    assert resharding == {"layer4.1": True, "root": True, "others": False}
-    assert keeping == {"layer4.1": True, "root": True, "others": True}
+    assert resharding == {"layer4.1": True, "root": True, "others": False, "evaluated": False}
+    assert keeping == {"layer4.1": True, "root": True, "others": True, "evaluated": False}
 
 
 def _gathered_after_forward(env):
     """Whether the last block's, the root's and all the other blocks' parameters are gathered
-    (plain tensors, not DTensor shards) after a training forward of a 2-rank resnet18."""
+    (plain tensors, not DTensor shards) after a training forward of a 2-rank resnet18, and
+    whether any is after an evaluation."""
     seen = []
     for reshard_after_forward in (True, False):
         model = build_model("resnet18", 3, 16, False, meta=builds_on_meta(env, "fsdp"))
@@ -206,11 +209,13 @@ def _gathered_after_forward(env):
         model(torch.randn(2, 3, 16, 16)).sum()  # no backward: as backward would find them
         gathered = {name: not isinstance(p, DTensor) for name, p in model.named_parameters()}
         blocks = [name for name in gathered if name.startswith("layer") and name[8] == "."]
+        evaluate(model, [(torch.randn(2, 3, 16, 16), torch.tensor([0, 1]))], env)
         seen.append(
             {
                 "layer4.1": all(gathered[n] for n in blocks if n.startswith("layer4.1.")),
                 "root": gathered["conv1.weight"] and gathered["fc.weight"],
                 "others": any(gathered[n] for n in blocks if not n.startswith("layer4.1.")),
+                "evaluated": any(not isinstance(p, DTensor) for p in model.parameters()),
             }
         )
     return seen

@@ -164,7 +164,7 @@ def shard(
         if norms != [unit]:  # else the unit is itself a BatchNorm (vgg*_bn's, under rule 2)
             # Two groups stay gathered after forward, each saving one all-gather per step: the
             # root (stem, head), used last in backward, and the last unit, used first: backward
-            # would gather it again at once, before anything could overlap that gather.
+            # would gather it again right away, with little or no compute to overlap.
             reshard = reshard_after_forward and unit not in (model, units[-1])
             fully_shard(unit, reshard_after_forward=reshard, **options)
             groups.append(unit)

@@ -26,13 +26,12 @@ from collections import defaultdict
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from ddptrain.config import Config
 from ddptrain.dist.env import DistEnv
-from ddptrain.model.parallelize import is_sharded
+from ddptrain.model.parallelize import is_sharded, reshard_gathered
 from ddptrain.state import sharded
 from ddptrain.state.checkpointer import ModelState
 
@@ -118,12 +117,10 @@ def _copy(sources: list[torch.Tensor], destinations: list[torch.Tensor]) -> None
 def _held(model: nn.Module) -> list[torch.Tensor]:
     """The parameters and buffers as this rank holds them: a DTensor's local shard.
 
-    FSDP keeps the root's parameters gathered after a forward without backward (the EMA's, in
-    an evaluation), and a gathered module's parameters are the whole tensors: resharded first
-    (nothing to do when sharded), so the next forward gathers the new average."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    A gathered module's parameters are the whole tensors, so any group still gathered (as FSDP
+    leaves some after a forward without backward) is resharded first, and the next forward
+    gathers the new average."""
+    reshard_gathered(model)
     return [
         t.to_local() if isinstance(t, DTensor) else t
         for t in (*model.parameters(), *model.buffers())

@@ -20,7 +20,7 @@ from ddptrain.dist.collectives import broadcast_buffers
 from ddptrain.dist.env import DistEnv
 from ddptrain.dist.phases import Phases
 from ddptrain.errors import Stopped, UserError
-from ddptrain.model.parallelize import unwrap
+from ddptrain.model.parallelize import reshard_gathered, unwrap
 from ddptrain.model.precision import Precision
 from ddptrain.report.metrics import Sums, summarize
 from ddptrain.report.profile import StepProfiler
@@ -66,6 +66,7 @@ def evaluate(
             output = model(images)
         loss_sum = F.cross_entropy(output.float(), target, ignore_index=PADDING, reduction="sum")
         sums.add_masked(loss_sum, output, target, target != PADDING)
+    reshard_gathered(model)  # under fsdp: not held whole into training (the EMA's, for good)
     return sums.summary(env)
 
 
