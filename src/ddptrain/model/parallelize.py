@@ -235,8 +235,9 @@ def is_sharded(model: nn.Module) -> bool:
 def reshard_gathered(model: nn.Module) -> None:
     """Frees the parameters a sharded model still holds gathered, back to this rank's shards.
     A forward without backward (an evaluation) leaves the groups that skip resharding after
-    forward (fsdp.shard: the root and the last block) gathered until the next backward, which
-    for the EMA's twin never comes. No collective; nothing to do on a model not sharded."""
+    forward (fsdp.shard: the root, the last block, the BatchNorm groups under --amp) gathered
+    until the next backward, which for the EMA's twin never comes. No collective; nothing to do
+    on a model not sharded."""
     for module in unwrap(model).modules():
         if isinstance(module, FSDPModule):
             module.reshard()  # not recursive
