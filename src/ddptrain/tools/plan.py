@@ -38,8 +38,20 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 LAUNCHER_ENV_PREFIXES = ("MASTER_", "TORCHELASTIC_", "TORCH_NCCL_")
 
 
+@dataclass(frozen=True, kw_only=True)
+class MemorySettings:
+    """The run's settings that change what a rank holds (config.MEMORY_SETTINGS), by default
+    train's: a Workload's, and flags of `ddptrain plan`."""
+
+    opt: str = Config.opt
+    momentum: float = Config.momentum  # SGD keeps no state without it
+    model_ema: bool = Config.model_ema
+    accum_steps: int = Config.accum_steps  # forward passes the per-rank batch is split into
+    reshard_after_forward: bool = Config.reshard_after_forward  # fsdp's
+
+
 @dataclass(frozen=True)
-class Workload:
+class Workload(MemorySettings):
     """What one traced step is: the model, the images each rank takes in it, and the run's
     settings that change what a rank holds."""
 
@@ -49,12 +61,6 @@ class Workload:
     per_rank_batch: int
     image_size: int
     amp: str
-    # MEMORY_SETTINGS, by default train's
-    opt: str = Config.opt
-    momentum: float = Config.momentum  # SGD keeps no state without it
-    model_ema: bool = Config.model_ema
-    accum_steps: int = Config.accum_steps  # forward passes the per-rank batch is split into
-    reshard_after_forward: bool = Config.reshard_after_forward  # fsdp's
 
     @property
     def forward_batch(self) -> int:
@@ -65,7 +71,7 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class PlanRequest:
+class PlanRequest(MemorySettings):
     """`ddptrain plan`'s flags, checked as `ddptrain train` checks the same ones."""
 
     arch: str
@@ -76,12 +82,6 @@ class PlanRequest:
     num_classes: int = 1000
     device_memory: float | None = None  # GiB; None: the CUDA device's, if there is one
     json: bool = False
-    # MEMORY_SETTINGS, by default train's
-    opt: str = Config.opt
-    momentum: float = Config.momentum
-    model_ema: bool = Config.model_ema
-    accum_steps: int = Config.accum_steps
-    reshard_after_forward: bool = Config.reshard_after_forward
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
