@@ -55,7 +55,7 @@ from ddptrain.model.build import CropError, build_model
 from ddptrain.model.fsdp import shard
 from ddptrain.model.precision import DTYPES, Precision
 from ddptrain.train.optim import build_optimizer
-from ddptrain.train.step import Step
+from ddptrain.train.step import Step, gradients_set_to_none
 
 STRATEGIES = ("ddp", "fsdp")
 # What a step of a model cannot do on fake tensors: read values (`.item()`, data-dependent shapes).
@@ -188,8 +188,8 @@ def trace(request: dict, strategy: str) -> dict[str, int | None]:
         # outside the model, as the loss is for the auxiliary heads of googlenet and inception.
         criterion = nn.functional.cross_entropy
         step = Step(model, optimizer, precision, criterion, accum_steps=accum_steps)
-        if wraps_in_ddp:  # as Step decides for DDP itself
-            step.set_to_none = accum_steps == 1
+        # The traced model is not wrapped: Step is told that DDP would hold its gradients.
+        step.set_to_none = gradients_set_to_none(accum_steps, in_buckets=wraps_in_ddp)
         try:
             step(images, target)
         except UNTRACEABLE as err:

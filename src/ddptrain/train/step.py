@@ -13,6 +13,13 @@ from ddptrain.model.precision import Precision
 AUX_WEIGHT = 0.4  # googlenet and inception_v3 auxiliary heads, as torchvision's references
 
 
+def gradients_set_to_none(accum_steps: int, in_buckets: bool) -> bool:
+    """Whether zero_grad sets the gradients to None, or zeroes them where they are. Accumulating
+    into DDP's buckets (`in_buckets`), they are zeroed there: set to None, the backward passes
+    in no_sync would make them anew beside the buckets and the step would hold them twice."""
+    return not (accum_steps > 1 and in_buckets)
+
+
 class Step:
     """One optimizer step, read as forward / backward / clip / optimizer step / schedule, each
     a stage of its own so that checks slot in between without touching the others.
@@ -41,10 +48,7 @@ class Step:
         self.criterion = criterion or nn.CrossEntropyLoss()
         self.accum_steps, self.clip_grad_norm = accum_steps, clip_grad_norm
         self.skip_nonfinite = skip_nonfinite
-        # Accumulating under DDP, the gradients are zeroed where they live, in its buckets: set
-        # to None, the backward passes in no_sync would make them anew beside the buckets and
-        # the step would hold them twice.
-        self.set_to_none = not (accum_steps > 1 and gradients_in_buckets(model))
+        self.set_to_none = gradients_set_to_none(accum_steps, gradients_in_buckets(model))
         self.skipped = False  # the last call dropped its update (--nonfinite skip)
 
     def forward(self, images: torch.Tensor, target: torch.Tensor):
