@@ -106,14 +106,46 @@ class _Planted:
 MARKER = "/tmp/ddptrain-sharded-metadata-ran-code"
 
 
-def test_metadata_that_would_run_code_is_refused(saved):
+def _text(text: str) -> bytes:  # pickle's SHORT_BINUNICODE
+    return b"\x8c" + bytes([len(text)]) + text.encode()
+
+
+# os.mkdir(MARKER) reached through the metadata module's own import of os: a protocol 4
+# STACK_GLOBAL of a dotted name (PROTO 4, module, name, STACK_GLOBAL, arg, TUPLE1, REDUCE, STOP).
+_THROUGH_THE_METADATA_MODULE = (
+    b"\x80\x04"
+    + _text("torch.distributed.checkpoint.metadata")
+    + _text("os.mkdir")
+    + b"\x93"
+    + _text(MARKER)
+    + b"\x85R."
+)
+
+
+@pytest.mark.parametrize(
+    "payload, named",
+    [
+        (pickle.dumps(_Planted()), "posix.mkdir"),
+        (_THROUGH_THE_METADATA_MODULE, "torch.distributed.checkpoint.metadata.os.mkdir"),
+    ],
+    ids=["a function", "a function through an allowed module"],
+)
+def test_metadata_that_would_run_code_is_refused(saved, payload, named):
     out_dir, _, _ = saved
     folder = out_dir / "checkpoint-000000020.dcp"
     shutil.rmtree(MARKER, ignore_errors=True)
-    (folder / ".metadata").write_bytes(pickle.dumps(_Planted()))
-    with pytest.raises(UserError, match="refers to posix.mkdir.*never code"):
+    (folder / ".metadata").write_bytes(payload)
+    with pytest.raises(UserError, match=f"refers to {re.escape(named)}.*never code"):
         files.load(folder)
     assert not os.path.exists(MARKER)
+
+
+def test_the_dotted_payload_does_run_when_unpickled():
+    # The test's own check: plain pickle runs it.
+    shutil.rmtree(MARKER, ignore_errors=True)
+    pickle.loads(_THROUGH_THE_METADATA_MODULE)
+    assert os.path.exists(MARKER)
+    os.rmdir(MARKER)
 
 
 def test_a_folder_of_another_arch_is_named_before_loading(saved):

@@ -55,17 +55,23 @@ _ALLOWED = {
 
 class _PlainDataUnpickler(pickle.Unpickler):
     """Unpickles DCP's metadata: its own dataclasses and enums, torch sizes, dtypes and layouts,
-    paths. Anything else (a function, a class of another module) is refused by name."""
+    paths. Anything else (a function, a class of another module) is refused by name.
+
+    Names are taken whole: from pickle protocol 4 on, a dotted name is looked up attribute by
+    attribute, and the metadata module imports os and torch, so "os.system" under it would reach
+    a function. Of that module, only the classes it defines pass."""
 
     def find_class(self, module: str, name: str):
-        allowed = (
-            module == dcp_metadata.__name__
-            or (module, name) in _ALLOWED
-            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
-        return super().find_class(module, name)
+        if "." not in name:
+            if module == dcp_metadata.__name__:
+                found = getattr(dcp_metadata, name, None)
+                if isinstance(found, type) and found.__module__ == module:
+                    return found
+            elif (module, name) in _ALLOWED or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+            ):
+                return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
 
 
 class _SafeReader(FileSystemReader):
