@@ -60,7 +60,13 @@ from ddptrain.state.files import (
     room_warning,
 )
 from ddptrain.state.lock import lock_out_dir, unlock_out_dir
-from ddptrain.state.resume import check_out_dir, check_position, check_trainable, load_resumed
+from ddptrain.state.resume import (
+    check_out_dir,
+    check_position,
+    check_trainable,
+    load_resumed,
+    roll_back,
+)
 from ddptrain.train import trainer
 from ddptrain.train.ema import build_ema
 from ddptrain.train.loss import build_criterion
@@ -203,6 +209,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         try:
             if config.evaluate:
                 return _evaluate_only(run, state)
+            _go_on_from(state, env, out_dir, reporter)
             reporter.start(summary)
             if env.is_main:
                 reporter.info(_plan(config, env, loaders.num_classes, precision.amp))
@@ -213,6 +220,21 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
                 if run.profiler.written:
                     reporter.info(f"--profile {config.profile}: trace in {run.profiler.path}")
             reporter.close()
+
+
+def _go_on_from(state: TrainState, env: DistEnv, out_dir: Path, reporter: Reporter) -> None:
+    """Once every rank has set up, the out-dir continues from the checkpoint resumed: what an
+    earlier run recorded and saved after it is dropped (nothing, unless it resumed an earlier
+    checkpoint than the newest)."""
+    reporter.keep_until(state.epoch)
+    if not env.is_main:
+        return
+    dropped = roll_back(out_dir, state.global_step)
+    if dropped:
+        reporter.warn(
+            f"--resume: continuing from global step {state.global_step}, so the later "
+            f"checkpoints of {out_dir} are removed: {', '.join(p.name for p in dropped)}"
+        )
 
 
 def _example(config: Config, precision: Precision, device: torch.device) -> torch.Tensor:
@@ -326,9 +348,9 @@ def _prepare(
     saved = None if resume is None else load_resumed(resume)
     if saved is not None:
         seed = int(saved.get("data_seed", seed))
-        check_position(saved, config)
         # The checkpoint's settings under what the flags and --config gave.
         config = resumed(config, saved.get("config"))
+        check_position(saved, config)
         config.check_batch_divides(env.world_size)
     if config.tensorboard:
         require_tensorboard()  # on every rank, so that every rank stops when it is missing
@@ -361,8 +383,6 @@ def _prepare(
             f"resumed from {resume} (epoch {done.epoch}, step {done.epoch_step} of the "
             f"next, best acc1 {done.best_acc1:.2f})"
         )
-    if not config.evaluate:
-        reporter.keep_until(done.epoch)
     return config, loaders, model, precision, saved, seed, reporter
 
 

@@ -1,10 +1,12 @@
 import json
+import signal
 
 from cli import (
     BF16_CROP,
     assert_same_training,
     copy_run,
     ddptrain,
+    env_with,
     ok,
     tiny_args,
     torchrun,
@@ -78,3 +80,34 @@ def test_loader_workers_do_not_change_the_result(tiny_data, tmp_path, one_rank_r
     """Each sample's augmentation comes from its own seed, not from a worker's generator."""
     ok(ddptrain("train", *tiny_args(tiny_data, tmp_path / "j2"), "-j", "2"))
     assert_same_training(one_rank_run, tmp_path / "j2")  # tiny_args' -j 0
+
+
+def test_resuming_an_earlier_checkpoint_of_the_out_dir_continues_from_it(tiny_data, tmp_path):
+    """Its later checkpoints are of the run it went back from: once removed, they no longer
+    outrank its own saves (numbered by global step) in --resume auto, or in retention. And a
+    mid-epoch checkpoint resumes without -b repeated, the epoch's record with the learning
+    rate the epoch began with."""
+    out, straight = tmp_path / "run", tmp_path / "straight"
+    every_step = ("--epochs", 2, "--checkpoint-every", 1, "--keep-last", 3)
+    cosine = ("--lr-scheduler", "cosine")  # a learning rate that changes within an epoch
+    ok(ddptrain("train", *tiny_args(tiny_data, out), *every_step, *cosine))  # 6 steps
+    copy_run(out, straight)
+    went_back = ddptrain(
+        "train",
+        *tiny_args(tiny_data, out),
+        *every_step,
+        *("--resume", out / "checkpoint-000000004.pt"),
+        env=env_with(DDPTRAIN_TEST_KILL="between:0:6"),  # after saving step 5
+    )
+    assert went_back.returncode == -signal.SIGKILL, went_back.stderr
+    removed = (
+        "the later checkpoints of {} are removed: checkpoint-000000006.pt, checkpoint-000000005.pt"
+    )
+    assert removed.format(out) in went_back.stderr
+    args = tiny_args(tiny_data, out)
+    del args[args.index("-b") : args.index("-b") + 2]  # the checkpoint's batch, mid-epoch
+    result = ok(ddptrain("train", *args, *every_step, "--resume", "auto"))
+    assert f"resumed from {out}/checkpoint-000000005.pt" in result.stdout
+    assert_same_training(straight, out)
+    lrs = [[r["lr"] for r in val_records(run, "train")] for run in (straight, out)]
+    assert lrs[0] == lrs[1] and lrs[0][0] != lrs[0][1]

@@ -18,6 +18,7 @@ from ddptrain.state.checkpointer import (
     check_fits,
     training_parts,
 )
+from ddptrain.state.resume import roll_back
 from ddptrain.train.optim import build_optimizer
 
 CLASSES = {"a": 0, "b": 1, "c": 2}
@@ -151,6 +152,15 @@ def test_the_newest_keep_last_are_kept_and_checkpoint_pt_is_the_newest(tmp_path)
     assert (tmp_path / "checkpoint.pt").samefile(tmp_path / "checkpoint-000000016.pt")
     assert files.load(tmp_path / "model_best.pt")["global_step"] == 8
     assert not (tmp_path / "model_best.pt").samefile(tmp_path / "checkpoint-000000008.pt")
+
+
+def test_going_back_to_an_earlier_checkpoint_makes_it_the_newest_again(tmp_path):
+    save_steps(tmp_path, [4, 8, 12], keep_last=3)
+    removed = roll_back(tmp_path, 4)
+    assert [p.name for p in removed] == ["checkpoint-000000012.pt", "checkpoint-000000008.pt"]
+    assert [p.name for p in files.numbered(tmp_path)] == ["checkpoint-000000004.pt"]
+    assert (tmp_path / "checkpoint.pt").samefile(tmp_path / "checkpoint-000000004.pt")
+    assert roll_back(tmp_path, 4) == []
 
 
 def test_resolve(tmp_path):

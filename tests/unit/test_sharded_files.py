@@ -15,6 +15,7 @@ from ddptrain.config import Config
 from ddptrain.errors import UserError, WriteFailed
 from ddptrain.state import files, sharded
 from ddptrain.state.checkpointer import Checkpointer, TrainState, check_fits, training_parts
+from ddptrain.state.resume import roll_back
 from ddptrain.train.optim import build_optimizer
 
 
@@ -42,6 +43,27 @@ def test_a_save_is_a_numbered_folder_linked_and_retained(saved):
     assert os.readlink(out_dir / sharded.LATEST) == "checkpoint-000000030.dcp"
     assert (out_dir / sharded.BEST / sharded.STATE).is_file()
     assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".")]
+
+
+def test_going_back_to_an_earlier_folder_makes_it_the_newest_again(saved):
+    out_dir, _, _ = saved
+    removed = roll_back(out_dir, 10)
+    assert [p.name for p in removed] == ["checkpoint-000000020.dcp"]
+    assert [p.name for p in files.numbered(out_dir)] == ["checkpoint-000000010.dcp"]
+    assert os.readlink(out_dir / sharded.LATEST) == "checkpoint-000000010.dcp"
+    assert files.resolve("auto", out_dir).name == "checkpoint-000000010.dcp"
+    assert roll_back(out_dir, 10) == []
+
+
+@pytest.mark.parametrize("name", [sharded.BEST, "checkpoint-000000020.dcp"])
+def test_a_folder_set_aside_by_a_crash_mid_swap_is_put_back(saved, name):
+    # _swap_in sets the folder it replaces aside, then renames the new one in: killed between.
+    out_dir, _, _ = saved
+    aside = out_dir / f".{name}.old"
+    os.replace(out_dir / name, aside)
+    files.remove_stale_temp_files(out_dir)
+    assert (out_dir / name / sharded.STATE).is_file() and not aside.exists()
+    assert files.resolve("auto", out_dir).name == "checkpoint-000000020.dcp"
 
 
 def test_restore_and_convert_give_back_what_was_saved(saved):

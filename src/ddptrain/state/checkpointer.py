@@ -9,8 +9,9 @@ optimizer and EMA stay as the ranks hold them and each rank writes its own shard
 
 The file holds (DESIGN.md): `model` (plain state dict, no wrapper prefixes, CPU tensors),
 `optimizer` (keyed by parameter name), `scheduler`, the run counters of `TrainState` (`epoch`,
-`global_step`, `best_acc1`, and to continue mid-epoch `epoch_step` and `train_sums`), the run's
-metadata (`arch`, `num_classes`, `class_to_idx`, `config`, `data_seed`) and `format_version`.
+`global_step`, `best_acc1`, and to continue mid-epoch `epoch_step`, `train_sums`, `epoch_lr`), the
+run's metadata (`arch`, `num_classes`, `class_to_idx`, `config`, `data_seed`) and
+`format_version`.
 Model-side randomness needs no saved state: it is derived from the seed, epoch, step and rank at
 every step, as augmentation is per sample.
 """
@@ -54,6 +55,7 @@ class TrainState:
     best_model: str = "model"  # which of "model" and "model_ema" model_best.pt was saved for
     epoch_step: int = 0  # steps done in the epoch after `epoch`
     train_sums: torch.Tensor | None = None  # that epoch's running train sums, all ranks
+    epoch_lr: float | None = None  # the learning rate that epoch began with, for its record
 
     def state_dict(self) -> dict:
         return {
@@ -63,6 +65,7 @@ class TrainState:
             "best_model": self.best_model,
             "epoch_step": self.epoch_step,
             "train_sums": self.train_sums,
+            "epoch_lr": self.epoch_lr,
         }
 
     @classmethod
@@ -74,6 +77,7 @@ class TrainState:
             best_model=str(checkpoint.get("best_model", "model")),
             epoch_step=int(checkpoint.get("epoch_step", 0)),
             train_sums=checkpoint.get("train_sums"),
+            epoch_lr=checkpoint.get("epoch_lr"),
         )
 
 

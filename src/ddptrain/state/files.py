@@ -13,6 +13,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import tempfile
 import zipfile
 from collections.abc import Callable
@@ -94,7 +95,16 @@ def numbered(out_dir: Path) -> list[Path]:
     """The numbered checkpoints in out_dir (files and sharded folders), newest (highest global
     step) first."""
     found = [p for p in out_dir.glob("checkpoint-*") if NUMBERED.fullmatch(p.name)]
-    return sorted(found, key=lambda p: int(NUMBERED.fullmatch(p.name)[1]), reverse=True)
+    return sorted(found, key=global_step_of, reverse=True)
+
+
+def global_step_of(numbered: Path) -> int:
+    return int(NUMBERED.fullmatch(numbered.name)[1])
+
+
+def link_latest(numbered: Path) -> None:
+    """Points checkpoint.pt at a numbered checkpoint file (see _link_latest)."""
+    _link_latest(numbered, numbered.parent / LATEST)
 
 
 def serialized(checkpoint: dict) -> bytes:
@@ -115,7 +125,7 @@ def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None
     try:
         atomic_write(path, data, before_rename=lambda: faults.kill_point("before_rename", step))
         faults.kill_point("after_rename", step)
-        _link_latest(path, out_dir / LATEST)
+        link_latest(path)
         if is_best:
             best = best_copy(checkpoint)
             atomic_write(out_dir / BEST, data if best is checkpoint else serialized(best))
@@ -168,7 +178,13 @@ STALE_TEMP_FILES = (
 
 
 def remove_stale_temp_files(out_dir: Path) -> None:
-    """Temp files of writes that a crash interrupted before their rename: never checkpoints."""
+    """Temp files of writes that a crash interrupted before their rename: never checkpoints. A
+    folder that a crash left set aside, between the two renames that replace it (sharded.py's
+    `_swap_in`: NAME to `.NAME.old`, then the new one to NAME), is put back first."""
+    for aside in out_dir.glob(".*.dcp.old"):
+        original = out_dir / aside.name.removeprefix(".").removesuffix(".old")
+        if not original.exists():
+            os.replace(aside, original)
     for pattern in STALE_TEMP_FILES:
         for tmp in out_dir.glob(pattern):
             remove(tmp)
@@ -200,16 +216,18 @@ def room_warning(out_dir: Path, checkpoint_bytes: int, keep_last: int) -> str | 
         free = shutil.disk_usage(out_dir).free
     except OSError:
         return None  # the save will say what is wrong
-    inodes = {}
     kept = [*numbered(out_dir), out_dir / LATEST, out_dir / BEST]
     kept += [out_dir / f"{Path(name).stem}.dcp" for name in (LATEST, BEST)]  # sharded format
+    # Each file once: checkpoint.pt is a hard link, checkpoint.dcp a symlink, and the files of
+    # model_best.dcp hard links.
+    sizes = {}
     for path in kept:
-        with contextlib.suppress(OSError):
-            info = path.stat()  # checkpoint.pt is a hard link, checkpoint.dcp a symlink
-            inodes[(info.st_dev, info.st_ino)] = (
-                folder_bytes(path) if path.is_dir() else info.st_size
-            )
-    if free + sum(inodes.values()) >= needed:
+        for file in path.rglob("*") if path.is_dir() else [path]:
+            with contextlib.suppress(OSError):
+                info = file.stat()
+                if stat.S_ISREG(info.st_mode):
+                    sizes[(info.st_dev, info.st_ino)] = info.st_size
+    if free + sum(sizes.values()) >= needed:
         return None
     return (
         f"--out-dir {out_dir} has {format_bytes(free)} free, and this run's checkpoints "

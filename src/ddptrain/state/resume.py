@@ -6,8 +6,10 @@ from pathlib import Path
 
 from ddptrain.config import Config
 from ddptrain.errors import UserError
+from ddptrain.state import files, sharded
 from ddptrain.state.files import (
     LATEST,
+    global_step_of,
     holds_ema_weights,
     load,
     numbered,
@@ -40,6 +42,24 @@ def check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool, auto: bool
             f"--out-dir {out_dir} already holds {earlier[0].name} of an earlier run: continue "
             "it with --resume auto, or choose another --out-dir"
         )
+
+
+def roll_back(out_dir: Path, global_step: int) -> list[Path]:
+    """Makes the checkpoint of global_step, which this run resumed, the newest in out_dir again:
+    those of later steps belong to the run it went back from, as do their metrics records
+    (Reporter.keep_until). Left there, they would outrank this run's saves, which are numbered
+    by global step: --resume auto would pick them, and retention would delete a save as it is
+    made. Removes them and points the latest link back at the one resumed; returns what it
+    removed. On the main rank, once every rank has set up: a run that fails to start removes
+    nothing."""
+    later = [path for path in numbered(out_dir) if global_step_of(path) > global_step]
+    for path in later:
+        files.remove(path)
+    if later:
+        for path in numbered(out_dir):
+            if global_step_of(path) == global_step:
+                (sharded.link_latest if path.suffix == sharded.SUFFIX else files.link_latest)(path)
+    return later
 
 
 def load_resumed(path: Path) -> dict:

@@ -275,10 +275,9 @@ def commit(
     path = out_dir / f"checkpoint-{step:09d}{SUFFIX}"
     try:
         files.atomic_write(tmp / STATE, files.serialized(rest))
-        files.remove(path)  # the same step saved again, after a restart
-        os.replace(tmp, path)
+        _swap_in(tmp, path)  # over the same step saved before a restart, if any
         files.fsync_dir(out_dir)
-        _link(path, out_dir / LATEST)
+        link_latest(path)
         if is_best and best_apart:
             ema_marked = {**rest, **files.EMA_MARK}  # its model is in the folder's shards
             files.atomic_write(best_tmp / STATE, files.serialized(ema_marked))
@@ -299,20 +298,24 @@ def commit(
     return path
 
 
-def _link(target: Path, link: Path) -> None:
-    """A relative symlink renamed into place: readers see the old one or the new one."""
+def link_latest(folder: Path) -> None:
+    """Points checkpoint.dcp at a numbered checkpoint folder: a relative symlink renamed into
+    place, so readers see the old one or the new one."""
+    link = folder.parent / LATEST
     tmp = link.with_name(f".{link.name}.{os.getpid()}.link")
     tmp.unlink(missing_ok=True)
-    os.symlink(target.name, tmp)
+    os.symlink(folder.name, tmp)
     os.replace(tmp, link)
 
 
 def _copy_folder(source: Path, destination: Path) -> None:
-    """The copy is written beside destination and swapped in."""
+    """The copy is written beside destination and swapped in. Its files are hard links where the
+    file system has them: a committed folder's files are never written again, only removed
+    with it, and a model too big to gather is too big to copy while the other ranks wait."""
     tmp = destination.with_name(f".{destination.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        shutil.copytree(source, tmp)
+        shutil.copytree(source, tmp, copy_function=_link_or_copy)
         faults.disk_full(destination)
     except (OSError, shutil.Error) as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -321,9 +324,17 @@ def _copy_folder(source: Path, destination: Path) -> None:
     _swap_in(tmp, destination)
 
 
+def _link_or_copy(source: str, destination: str) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
 def _swap_in(tmp: Path, destination: Path) -> None:
     """The folder tmp renamed to destination, whose old version is set aside first: a crash
-    between the two renames leaves it as `.NAME.old`, which the next run's start removes."""
+    between the two renames leaves it as `.NAME.old`, which the next run's start puts back
+    (files.remove_stale_temp_files)."""
     old = destination.with_name(f".{destination.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):

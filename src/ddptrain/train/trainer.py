@@ -287,9 +287,11 @@ def fit(run: Run, state: TrainState) -> TrainState:
     faults.set_rank(env.rank)
     start, val = time.perf_counter(), None
     for epoch in range(state.epoch, config.epochs):
-        lr = run.optimizer.param_groups[0]["lr"]
+        if state.epoch_step == 0 or state.epoch_lr is None:  # else resumed mid-epoch
+            state.epoch_lr = run.optimizer.param_groups[0]["lr"]
         train = train_epoch(run, epoch, state)
         val, val_ema = _validate(run, state.global_step)
+        lr, state.epoch_lr = state.epoch_lr, None
         state.epoch, state.epoch_step, state.train_sums = epoch + 1, 0, None
         # model_best.pt follows the better of the model and its average, and says which.
         candidates = {"model": val["acc1"], "model_ema": (val_ema or {}).get("acc1", -1.0)}
