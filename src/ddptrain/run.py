@@ -70,7 +70,7 @@ from ddptrain.state.resume import (
 from ddptrain.train import trainer
 from ddptrain.train.ema import build_ema
 from ddptrain.train.loss import build_criterion
-from ddptrain.train.optim import build_optimizer
+from ddptrain.train.optim import build_optimizer, keep_given, settings
 from ddptrain.train.preempt import StopRequests
 from ddptrain.train.schedule import fast_forward
 
@@ -289,7 +289,9 @@ def _restore(checkpointer, saved, scheduler, config: Config, steps_per_epoch: in
         return TrainState(epoch=config.start_epoch)
     # Checkpoints of format 1 stepped their schedule per epoch: replay the per-step one instead.
     per_epoch_schedule = int(saved.get("format_version", 1)) < 2
+    built = settings(scheduler.optimizer)
     state = checkpointer.restore(saved, skip={"scheduler"} if per_epoch_schedule else set())
+    keep_given(scheduler.optimizer, built, None if per_epoch_schedule else scheduler)
     if per_epoch_schedule:
         for group in scheduler.optimizer.param_groups:  # from the start, not the restored LR
             group["lr"] = group["initial_lr"]

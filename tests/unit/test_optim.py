@@ -1,11 +1,14 @@
 """--opt, --norm-weight-decay and the LR the optimizer starts from."""
 
+import dataclasses
+
+import pytest
 import torch
 import torchvision
 from torch import nn, optim
 
 from ddptrain.config import Config
-from ddptrain.train.optim import base_lr, build_optimizer, param_groups
+from ddptrain.train.optim import base_lr, build_optimizer, keep_given, param_groups, settings
 
 
 def tiny_convnet():
@@ -72,3 +75,48 @@ def test_linear_scaling_rule_follows_the_global_batch():
     assert base_lr(Config(lr=0.3)) == 0.3
     assert base_lr(Config(lr_base=0.1, lr_base_batch=256, batch_size=64)) == 0.025
     assert base_lr(Config(lr_base=0.5, lr_base_batch=1024, batch_size=2048)) == 1.0
+
+
+def _stepping(config: Config, steps: int):
+    """The optimizer and schedule of config, `steps` steps on (4 an epoch)."""
+    optimizer, scheduler = build_optimizer(tiny_convnet(), config, steps_per_epoch=4)
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+    return optimizer, scheduler
+
+
+def _lrs(optimizer, scheduler, steps: int) -> list[float]:
+    """The LR of each group at each of the next `steps` steps."""
+    seen = []
+    for _ in range(steps):
+        seen.extend(group["lr"] for group in optimizer.param_groups)
+        optimizer.step()
+        scheduler.step()
+    return seen
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "step", "multistep"])
+def test_flags_given_on_resume_win_over_the_checkpoints_settings(schedule):
+    # Warmup + cosine is a SequentialLR, warmup + step a ChainedScheduler: each part rescaled.
+    before = Config(
+        lr=0.1,
+        momentum=0.9,
+        lr_scheduler=schedule,
+        lr_warmup_epochs=1,
+        epochs=4,
+        lr_step_size=2,
+        lr_milestones=[2, 3],
+    )
+    saved_optimizer, saved_schedule = _stepping(before, 6)  # mid-epoch 2, after the warmup
+    given = dataclasses.replace(before, lr=0.01, momentum=0.5)
+    optimizer, scheduler = build_optimizer(tiny_convnet(), given, steps_per_epoch=4)
+    built = settings(optimizer)
+    optimizer.load_state_dict(saved_optimizer.state_dict())
+    scheduler.load_state_dict(saved_schedule.state_dict())
+    assert optimizer.param_groups[0]["momentum"] == 0.9  # what the load brings back
+    keep_given(optimizer, built, scheduler)
+    assert optimizer.param_groups[0]["momentum"] == 0.5
+    # The schedule goes on as if the run had begun at LR 0.01.
+    from_the_start = _stepping(given, 6)
+    assert _lrs(optimizer, scheduler, 10) == pytest.approx(_lrs(*from_the_start, 10))
