@@ -5,12 +5,14 @@ from torch import nn
 from ddptrain.config import Config
 from ddptrain.errors import UserError
 from ddptrain.model import precision
+from ddptrain.model.build import build_model
 from ddptrain.model.precision import (
     Precision,
     auto_amp,
     bf16_units,
     cpu_bf16_units,
     resolve_precision,
+    strided_single_pixel,
 )
 from ddptrain.train.step import Step
 
@@ -145,3 +147,27 @@ def test_bf16_on_a_cpu_without_bf16_units_warns_that_it_is_emulated(monkeypatch)
     assert slow.amp == "bf16" and "emulated and slower" in slow.warning
     monkeypatch.setattr(precision, "bf16_units", lambda device: True)
     assert resolve_precision(Config(amp="bf16"), None, convnet(), CPU).warning is None
+
+
+def test_a_strided_convolution_of_a_1x1_map_is_found_by_shapes_alone():
+    resnet18 = build_model("resnet18", 10, 16, False, meta=True)  # no weights: shapes only
+    assert strided_single_pixel(resnet18, 16) == "layer4.0.conv1"
+    assert strided_single_pixel(resnet18, 32) is None  # its input is 2x2 there
+    real = build_model("resnet18", 10, 16, False)
+    before = {name: t.clone() for name, t in real.state_dict().items()}
+    assert strided_single_pixel(real, 16) == "layer4.0.conv1"
+    assert all(torch.equal(t, before[name]) for name, t in real.state_dict().items())
+    assert not any(conv._forward_pre_hooks for conv in real.modules())
+
+
+def test_auto_keeps_a_cpu_run_in_fp32_where_bf16_is_wrong():
+    amp, reason = auto_amp("cpu", True, strided_single_pixel="layer4.0.conv1")
+    assert amp == "none" and "layer4.0.conv1 convolves a 1x1 map" in reason
+    assert auto_amp("cuda", True, strided_single_pixel="layer4.0.conv1")[0] == "bf16"
+    model = build_model("resnet18", 10, 16, False)
+    small, given = Config(image_size=16), Config(image_size=16, amp="bf16")
+    assert resolve_precision(small, None, model, CPU).amp == "none"
+    warning = resolve_precision(given, None, model, CPU).warning
+    if bf16_units(CPU):  # else the warning says that bf16 is emulated
+        assert "layer4.0.conv1 convolves a 1x1 map" in warning and "--amp none" in warning
+        assert resolve_precision(Config(image_size=32), None, model, CPU).amp == "bf16"

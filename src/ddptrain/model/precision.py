@@ -124,21 +124,68 @@ def cpu_bf16_units(machine: str, avx512_bf16: bool, amx: bool, onednn_bf16: bool
     return onednn_bf16
 
 
-def auto_amp(device_type: str, has_bf16_units: bool, bitwise: bool = False) -> tuple[str, str]:
+def auto_amp(
+    device_type: str,
+    has_bf16_units: bool,
+    bitwise: bool = False,
+    strided_single_pixel: str | None = None,
+) -> tuple[str, str]:
     """--amp auto: (the amp, the reason the start-up shows). bf16 where the device has bf16
     units: there it is the fastest math that needs no loss scaling. fp16 is never chosen: it
     needs a GradScaler (a host sync per step) and can overflow.
 
     bitwise: --seed promises bitwise-repeatable runs, which oneDNN's bf16 kernels do not give
     (two identical resnet18 backward passes differ, even on one thread; measured with torch
-    2.14), so a seeded CPU run stays in fp32. CUDA's deterministic algorithms cover bf16."""
+    2.14), so a seeded CPU run stays in fp32. CUDA's deterministic algorithms cover bf16.
+    strided_single_pixel: a convolution of the model that oneDNN's bf16 backward gets wrong at
+    this crop size (see strided_single_pixel), so the CPU run stays in fp32."""
     if device_type == "cpu" and has_bf16_units and bitwise:
         return "none", "auto: --seed asks for bitwise-repeatable runs, which bf16 on a CPU is not"
+    if device_type == "cpu" and has_bf16_units and strided_single_pixel:
+        return "none", f"auto: {_WRONG_IN_BF16.format(strided_single_pixel)}"
     if device_type in ("cuda", "cpu", "xpu") and has_bf16_units:
         return "bf16", f"auto: the {device_type} device has bf16 units"
     if device_type in ("cuda", "cpu", "xpu"):
         return "none", f"auto: the {device_type} device has no bf16 units (bf16 would be emulated)"
     return "none", f"auto: bf16 autocast is not chosen on {device_type}"
+
+
+# torch 2.14.1's oneDNN: the bf16 backward of a strided convolution of a 1x1 map leaves part of
+# its weight gradient uninitialised, non-finite at random (a 3x3 stride-2 convolution from 256
+# to 512 channels: 1 in 300 backward passes here; none in 300 at stride 1 or on a 2x2 map).
+_WRONG_IN_BF16 = (
+    "{} convolves a 1x1 map with a stride at this crop size, where bf16 on a CPU gives "
+    "non-finite gradients now and then"
+)
+
+
+def strided_single_pixel(model: nn.Module, image_size: int) -> str | None:
+    """The first convolution with a stride > 1 that a 1x1 map reaches at image_size crops (in
+    resnet18 at 16 px, layer4.0.conv1), or None. A forward of the model over meta copies of
+    its tensors: shapes only, no memory or compute, and the same answer on every rank, whether
+    its model holds weights or was built on the meta device."""
+    names = {m: n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+    found: list[str] = []
+
+    def note(conv: nn.Conv2d, args) -> None:
+        if max(conv.stride) > 1 and tuple(args[0].shape[-2:]) == (1, 1):
+            found.append(names[conv])
+
+    hooks = [conv.register_forward_pre_hook(note) for conv in names]
+    tensors = {
+        name: torch.empty_like(t, device="meta")
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+    }
+    images = torch.empty(2, 3, image_size, image_size, device="meta")
+    try:
+        with torch.no_grad():
+            torch.func.functional_call(model, tensors, (images,))
+    except Exception:  # a model a meta pass cannot take: nothing known against bf16
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found[0] if found else None
 
 
 def resolve_precision(
@@ -147,9 +194,11 @@ def resolve_precision(
     """The run's precision: the flags given, else a resumed checkpoint's, else the defaults."""
     saved = saved_config or {}
     amp = config.amp or saved.get("amp") or "auto"
-    reason = ""
+    reason, wrong = "", None
+    if amp in ("auto", "bf16") and device.type == "cpu":
+        wrong = strided_single_pixel(model, config.image_size)
     if amp == "auto":
-        amp, reason = auto_amp(device.type, bf16_units(device), config.seed is not None)
+        amp, reason = auto_amp(device.type, bf16_units(device), config.seed is not None, wrong)
     channels_last = config.channels_last
     if channels_last is None:
         channels_last = saved.get("channels_last", _convolutional(model))
@@ -159,5 +208,7 @@ def resolve_precision(
     warning = None
     if amp == "bf16" and device.type == "cpu" and not bf16_units(device):
         warning = "--amp bf16: this CPU has no bf16 units; bf16 is emulated and slower than fp32"
+    elif amp == "bf16" and wrong:
+        warning = f"--amp bf16: {_WRONG_IN_BF16.format(wrong)}; --amp none avoids it"
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
     return Precision(device.type, amp, bool(channels_last), bool(compiled), scaler, reason, warning)
