@@ -131,7 +131,15 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
     )
 
     if config.pretrained and saved is None:
-        fresh = load_pretrained(model, config.arch, env, source=config.pretrained)
+        # Evaluated, the weights must know the data's classes: a new head would be random.
+        classes = sorted(loaders.class_to_idx, key=loaders.class_to_idx.get)
+        fresh = load_pretrained(
+            model,
+            config.arch,
+            env,
+            source=config.pretrained,
+            classes=classes if config.evaluate else None,
+        )
         if fresh:
             origin = "" if config.pretrained is True else f" from {config.pretrained}"
             reporter.info(f"pretrained {config.arch}{origin}: new weights for {', '.join(fresh)}")

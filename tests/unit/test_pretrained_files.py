@@ -53,6 +53,27 @@ def test_a_checkpoint_of_another_class_count_leaves_the_head_new(tmp_path):
     assert torch.equal(model.fc.weight, head_before) and model.fc.out_features == 3
 
 
+@pytest.mark.parametrize("kind", ["checkpoint", "export"])
+def test_evaluated_weights_must_know_the_datas_classes(tmp_path, kind):
+    checkpoint_file(tmp_path / "three.pt")  # classes c0, c1, c2
+    checkpoint_file(tmp_path / "ten.pt", num_classes=10)
+    source = {name: tmp_path / f"{name}.pt" for name in ("three", "ten")}
+    if kind == "export":  # the class names in the W.json beside the weights
+        for name, path in source.items():
+            source[name] = path.with_suffix(".safetensors")
+            export(path, source[name])
+
+    def evaluate(name, classes):
+        model = fresh_model(len(classes))
+        return load_pretrained(model, "resnet18", ONE, str(source[name]), classes)
+
+    assert evaluate("three", ["c0", "c1", "c2"]) == []
+    with pytest.raises(UserError, match=r"class 1 is 'c1' there and 'bar' here"):
+        evaluate("three", ["c0", "bar", "c2"])
+    with pytest.raises(UserError, match=r"data's 3, so the head \(fc.bias, fc.weight\) would"):
+        evaluate("ten", ["c0", "c1", "c2"])
+
+
 def test_auxiliary_heads_are_heads_too(tmp_path):
     checkpoint_file(tmp_path / "g.pt", arch="googlenet", num_classes=5)
     model = build_model("googlenet", 3, 64, pretrained=False)

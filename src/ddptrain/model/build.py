@@ -2,6 +2,7 @@
 torchvision weights, a `ddptrain export` (.safetensors) or a ddptrain checkpoint."""
 
 import hashlib
+import json
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -125,12 +126,18 @@ def _sha256(path: Path) -> str:
 
 
 def load_pretrained(
-    model: nn.Module, arch: str, env: DistEnv, source: bool | str = True
+    model: nn.Module,
+    arch: str,
+    env: DistEnv,
+    source: bool | str = True,
+    classes: list[str] | None = None,
 ) -> list[str]:
     """Initial weights for model: source True is the arch's default torchvision weights
     (downloaded by rank 0 first), a str the path of a .safetensors export or a ddptrain
     checkpoint. A head of another class count stays new; returns the names left new (the
-    caller's Reporter says so).
+    caller's Reporter says so). `classes`, the data's class names in index order, asks for
+    weights that already know them (--evaluate): a head left new is refused, and so is a
+    file that names other classes.
 
     A collective: every rank must call it. A model on the meta device is left as it is: its
     rank receives rank 0's weights when it is wrapped.
@@ -139,9 +146,19 @@ def load_pretrained(
         return rank0_first(env, lambda: [])
     if source is True:
         state = rank0_first(env, lambda: _pretrained_state(arch, show_progress=env.is_main))
-        return _load_fitting(model, state)
-    # Loaded inside the collective: a file that does not fit ends every rank.
-    return rank0_first(env, lambda: _load_file(model, arch, Path(source)))
+        fresh = _load_fitting(model, state)
+        what = f"torchvision's {arch}"
+    else:
+        # Loaded inside the collective: a file that does not fit ends every rank.
+        fresh = rank0_first(env, lambda: _load_file(model, arch, Path(source), classes))
+        what = str(source)
+    if classes is not None and fresh:
+        raise UserError(
+            f"--evaluate --pretrained: the weights of {what} are for another number of classes "
+            f"than the data's {len(classes)}, so the head ({', '.join(fresh)}) would be new, "
+            "random weights: evaluate weights trained on these classes"
+        )
+    return fresh
 
 
 def _load_fitting(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
@@ -152,15 +169,18 @@ def _load_fitting(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]
     return sorted(k for k in set(own) - set(fits) if not k.endswith("num_batches_tracked"))
 
 
-def _load_file(model: nn.Module, arch: str, path: Path) -> list[str]:
+def _load_file(model: nn.Module, arch: str, path: Path, classes: list[str] | None) -> list[str]:
     """Every weight of the file into model, strictly, but for a classifier head of another
-    class count, which stays new. A file for another arch is refused."""
-    state, file_arch = _read_weights_file(path)
+    class count, which stays new. A file for another arch is refused, and one for other
+    classes than `classes` (when given, and the file says its own)."""
+    state, file_arch, file_classes = _read_weights_file(path)
     if file_arch is not None and file_arch != arch:
         raise UserError(
             f"--pretrained: {path} holds {file_arch} weights, not --arch {arch}: "
             f"pass -a {file_arch}, or a file for {arch}"
         )
+    if classes is not None and file_classes is not None:
+        _check_classes(path, classes, file_classes)
     own = model.state_dict()
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
@@ -172,6 +192,18 @@ def _load_file(model: nn.Module, arch: str, path: Path) -> list[str]:
     head = _head_of_other_class_count(own, state, path)
     model.load_state_dict({k: v for k, v in state.items() if k not in head}, strict=False)
     return head
+
+
+def _check_classes(path: Path, classes: list[str], theirs: list[str]) -> None:
+    """--evaluate: weights trained on the data's classes, in its order (a count of their own is
+    the head's check)."""
+    if len(theirs) != len(classes) or theirs == classes:
+        return
+    i = next(i for i, (ours, its) in enumerate(zip(classes, theirs, strict=True)) if ours != its)
+    raise UserError(
+        f"--evaluate --pretrained: {path} was trained on other classes than the data's: class "
+        f"{i} is {theirs[i]!r} there and {classes[i]!r} here"
+    )
 
 
 def _head_of_other_class_count(own: dict, state: dict, path: Path) -> list[str]:
@@ -194,9 +226,10 @@ def _head_of_other_class_count(own: dict, state: dict, path: Path) -> list[str]:
     return differ
 
 
-def _read_weights_file(path: Path) -> tuple[dict[str, torch.Tensor], str | None]:
-    """(state dict, arch when the file says) of a .safetensors export or a ddptrain checkpoint,
-    neither read in a way that could run code."""
+def _read_weights_file(path: Path) -> tuple[dict[str, torch.Tensor], str | None, list | None]:
+    """(state dict, arch and class names in index order where the file says) of a .safetensors
+    export (its names in the W.json beside it) or a ddptrain checkpoint, neither read in a way
+    that could run code."""
     if path.is_dir() or not path.exists():
         what = "is a directory" if path.is_dir() else "does not exist"
         raise UserError(
@@ -207,7 +240,7 @@ def _read_weights_file(path: Path) -> tuple[dict[str, torch.Tensor], str | None]
         try:
             with safe_open(path, framework="pt") as f:
                 arch = (f.metadata() or {}).get("arch")
-            return load_file(path), arch
+            return load_file(path), arch, _exported_classes(path.with_suffix(".json"))
         except (SafetensorError, OSError) as err:
             raise UserError(
                 f"--pretrained: {path} is not a readable safetensors file ({first_line(err)})"
@@ -216,4 +249,15 @@ def _read_weights_file(path: Path) -> tuple[dict[str, torch.Tensor], str | None]
         checkpoint = load_checkpoint(path)
     except UserError as err:
         raise UserError(f"--pretrained: {err}") from None
-    return checkpoint["model"], checkpoint.get("arch")
+    class_to_idx = checkpoint.get("class_to_idx")
+    classes = sorted(class_to_idx, key=class_to_idx.get) if isinstance(class_to_idx, dict) else None
+    return checkpoint["model"], checkpoint.get("arch"), classes
+
+
+def _exported_classes(description: Path) -> list | None:
+    """The class names `ddptrain export` wrote beside the weights, if it is there and says."""
+    try:
+        classes = json.loads(description.read_text()).get("classes")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return classes if isinstance(classes, list) else None
