@@ -84,7 +84,7 @@ def test_a_sharded_checkpoint_missing_a_shard_stops_every_rank(
     assert "ddptrain: error: --resume auto: no usable checkpoint" in result.stderr  # rank 0
     assert "ddptrain: error: another rank failed while setting up" in result.stderr  # rank 1
     skipped = "checkpoint-000000006.dcp is damaged: its shard __1_0.distcp is missing"
-    assert f"warning: --resume auto: skipping {out}/{skipped}" in result.stderr
+    assert f"warning: --resume auto skips a checkpoint: {out}/{skipped}" in result.stderr
 
 
 def test_an_fsdp_checkpoint_evaluated_in_one_process_gives_the_logged_counts(

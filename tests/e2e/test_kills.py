@@ -116,7 +116,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(
     data[len(data) // 2] ^= 0x10  # inside tensor data: torch.load alone would not notice
     newest.write_bytes(bytes(data))
     result = ok(torchrun(2, *args(tiny_data, out)))
-    assert f"skipping {newest} is damaged" in result.stderr
+    assert f"skips a checkpoint: {newest} is damaged" in result.stderr
     assert f"resumed from {out}/checkpoint-000000002.pt" in result.stdout
     assert_same_training(uninterrupted, out)
 

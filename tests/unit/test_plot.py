@@ -86,7 +86,7 @@ def test_missing_or_empty_metrics_is_one_error_naming_the_path(tmp_path, capsys)
         plot([empty])
     assert cli.main(["plot", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("ddptrain: error: plot: ") and str(tmp_path / "nowhere") in err
+    assert err.startswith(f"ddptrain: error: plot: {tmp_path / 'nowhere'} is not a directory")
     assert "Traceback" not in err and not (tmp_path / "compare.png").exists()
 
 

@@ -66,6 +66,12 @@ def test_a_folder_set_aside_by_a_crash_mid_swap_is_put_back(saved, name):
     assert files.resolve("auto", out_dir).name == "checkpoint-000000020.dcp"
 
 
+def test_a_runs_out_dir_given_as_a_checkpoint_is_named_so(saved):
+    out_dir, _, _ = saved
+    with pytest.raises(UserError, match="is a run's out-dir, not a checkpoint.*000000020.dcp"):
+        files.load(out_dir)
+
+
 def test_restore_and_convert_give_back_what_was_saved(saved):
     out_dir, model, optimizer = saved
     resume = files.resolve("auto", out_dir)
@@ -106,7 +112,7 @@ def test_a_damaged_folder_is_named_and_resume_auto_falls_back(saved, damage, mes
     skipped = []
     assert files.resolve("auto", out_dir, skipped.append).name == "checkpoint-000000010.dcp"
     (warning,) = skipped
-    assert f"skipping {newest}" in warning
+    assert f"skips a checkpoint: {newest}" in warning
 
 
 def test_a_folder_of_a_later_format_is_refused_not_skipped(saved):

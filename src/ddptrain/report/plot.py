@@ -55,6 +55,8 @@ def default_output(run_dirs: list[Path]) -> Path:
 
 def plot(run_dirs: list[Path], out: Path | None = None) -> Path:
     """Draws the runs into one figure, written atomically to out; returns its path."""
+    for run_dir in run_dirs:  # what is wrong with a run dir first: -o defaults to inside it
+        read_curves(run_dir)
     out = default_output(run_dirs) if out is None else out
     fmt = out.suffix.lstrip(".").lower()
     if fmt not in FigureCanvasAgg.get_supported_filetypes():

@@ -343,11 +343,17 @@ def check_compatible(checkpoint: dict, path: Path, arch: str, class_to_idx: dict
         only_saved = sorted(set(saved) - set(class_to_idx))
         only_data = sorted(set(class_to_idx) - set(saved))
         detail = (
-            f"only in the checkpoint: {only_saved}; only in the data: {only_data}"
+            f"only in the checkpoint: {_some(only_saved)}; only in the data: {_some(only_data)}"
             if only_saved or only_data
             else "same names, other order"
         )
         raise UserError(f"--resume: {path} was trained on other classes than the data ({detail})")
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    """The first few names, and how many more: one line, for a thousand classes too."""
+    more = f", and {len(names) - shown} more" if len(names) > shown else ""
+    return (", ".join(map(repr, names[:shown])) or "none") + more
 
 
 def check_fits(checkpoint: dict, path: Path, model: nn.Module) -> None:

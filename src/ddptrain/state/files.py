@@ -268,7 +268,7 @@ def resolve(
         except NewerFormat:
             raise  # resuming an older checkpoint instead would fork the run another wrote
         except UserError as err:
-            skipped(f"--resume auto: skipping {err}")
+            skipped(f"--resume auto skips a checkpoint: {err}")
     return None
 
 

@@ -152,6 +152,12 @@ def read(folder: Path) -> dict:
     its format, then that the metadata is readable and every shard file it names is there,
     whole."""
     state_path = folder / STATE
+    held = files.numbered(folder)
+    if held and not (folder / METADATA).exists():
+        raise UserError(
+            f"{folder} is a run's out-dir, not a checkpoint: give one of its checkpoints (the "
+            f"newest: {held[0]})"
+        )
     if not state_path.is_file():
         raise UserError(f"{folder} is damaged: its {STATE} is missing")
     checkpoint = files.safe_load(state_path, "ddptrain checkpoint")

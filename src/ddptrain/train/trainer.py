@@ -239,15 +239,19 @@ def _finite(run: Run, state: TrainState, totals: torch.Tensor) -> torch.Tensor:
 def _nonfinite(run: Run, global_step: int, at_or_before: bool = False) -> None:
     """Every rank stops here: training went non-finite, and nothing after it is saved."""
     saved = numbered(Path(run.config.out_dir))
-    last = f"the last good checkpoint is {saved[0]}" if saved else "no checkpoint was written"
+    then = (
+        f"the last good checkpoint is {saved[0]}: resume from it with --resume auto and"
+        if saved
+        else "no checkpoint was written: start again with"
+    )
     when = (
         f"at or before global step {global_step}"
         if at_or_before
         else f"at global step {global_step}"
     )
     raise UserError(
-        f"the loss or its gradients became non-finite {when} (--nonfinite error); {last}: "
-        "resume from it with --resume auto and a lower --lr, or train with --nonfinite skip"
+        f"the loss or its gradients became non-finite {when} (--nonfinite error); {then} a "
+        "lower --lr, or train with --nonfinite skip"
     )
 
 
