@@ -104,6 +104,12 @@ def test_check_of_good_data_says_so(tiny_data, capsys):
     assert capsys.readouterr().out == f"all 39 images in {tiny_data} decode (24 train, 15 val)\n"
 
 
+def test_data_without_val_is_refused_as_training_would(tiny_data, tmp_path):
+    shutil.copytree(tiny_data / "train", tmp_path / "train")
+    with pytest.raises(UserError, match=r"has no val/, which training needs; its 24 images"):
+        check.check_command(str(tmp_path), workers=0, max_image_pixels=10**8)
+
+
 def test_the_check_says_its_lines_through_the_caller_and_prints_nothing_itself(bad_data, capsys):
     said = []
     with pytest.raises(UserError, match="2 of 39 images"):

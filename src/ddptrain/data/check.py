@@ -112,6 +112,12 @@ def check_command(
             f"{len(bad)} of {len(files)} images in {root} are bad ({_per_split(bad, files)}), "
             "listed above: fix or remove them, or train with --bad-images skip"
         )
+    missing = [f"{split}/" for split in SPLITS if split not in splits]
+    if missing:  # as training would refuse it, once its images are known to decode
+        raise UserError(
+            f"DATA: {root} has no {' or '.join(missing)}, which training needs; its "
+            f"{len(files)} images decode ({_per_split(None, files)})"
+        )
     say(f"all {len(files)} images in {root} decode ({_per_split(None, files)})")
 
 
