@@ -217,7 +217,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         try:
             if config.evaluate:
                 return _evaluate_only(run, state)
-            _go_on_from(state, env, out_dir, reporter)
+            _go_on_from(state, resume is not None, env, out_dir, reporter)
             reporter.start(summary)
             if env.is_main:
                 reporter.info(_plan(config, env, loaders.num_classes, precision.amp))
@@ -230,12 +230,14 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
             reporter.close()
 
 
-def _go_on_from(state: TrainState, env: DistEnv, out_dir: Path, reporter: Reporter) -> None:
-    """Once every rank has set up, the out-dir continues from the checkpoint resumed: what an
+def _go_on_from(
+    state: TrainState, resumed: bool, env: DistEnv, out_dir: Path, reporter: Reporter
+) -> None:
+    """Once every rank has set up, the out-dir continues from where this run starts: what an
     earlier run recorded and saved after it is dropped (nothing, unless it resumed an earlier
     checkpoint than the newest)."""
     reporter.keep_until(state.epoch)
-    if not env.is_main:
+    if not (env.is_main and resumed):
         return
     dropped = roll_back(out_dir, state.global_step)
     if dropped:

@@ -87,7 +87,7 @@ def keep_given(
     groups = optimizer.param_groups
     bases = []  # per group: the base LR saved, and this run's
     for group, given in zip(groups, built, strict=True):
-        bases.append((group["initial_lr"], given["initial_lr"]))
+        bases.append((group.get("initial_lr", given["initial_lr"]), given["initial_lr"]))
         group["lr"] = _rebased(group["lr"], *bases[-1])
         group.update({k: v for k, v in given.items() if k != "lr"})
     if scheduler is None:
