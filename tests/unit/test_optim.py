@@ -120,3 +120,15 @@ def test_flags_given_on_resume_win_over_the_checkpoints_settings(schedule):
     # The schedule goes on as if the run had begun at LR 0.01.
     from_the_start = _stepping(given, 6)
     assert _lrs(optimizer, scheduler, 10) == pytest.approx(_lrs(*from_the_start, 10))
+
+
+def test_the_same_flags_on_resume_leave_every_lr_bit_for_bit():
+    config = Config(lr=0.3, lr_scheduler="cosine", lr_warmup_epochs=1, epochs=4)
+    for steps in range(1, 12):
+        saved_optimizer, saved_schedule = _stepping(config, steps)
+        optimizer, scheduler = build_optimizer(tiny_convnet(), config, steps_per_epoch=4)
+        built = settings(optimizer)
+        optimizer.load_state_dict(saved_optimizer.state_dict())
+        scheduler.load_state_dict(saved_schedule.state_dict())
+        keep_given(optimizer, built, scheduler)
+        assert _lrs(optimizer, scheduler, 4) == _lrs(saved_optimizer, saved_schedule, 4), steps

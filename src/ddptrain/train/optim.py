@@ -102,5 +102,8 @@ def keep_given(
 
 def _rebased(lr: float, old: float, new: float) -> float:
     """An LR of a schedule from base `old`, in the same schedule from base `new` (one from 0
-    gave 0 all along: then `new`)."""
+    gave 0 all along: then `new`). The same base leaves it as it is, bit for bit: lr * b / b
+    need not be lr in floating point, and resume is bitwise."""
+    if new == old:
+        return lr
     return lr * new / old if old else new
