@@ -56,7 +56,6 @@ from ddptrain.state.checkpointer import (
 from ddptrain.state.data_facts import check_same_data
 from ddptrain.state.files import (
     checkpoint_bytes,
-    resolve,
     room_warning,
 )
 from ddptrain.state.lock import lock_out_dir, unlock_out_dir
@@ -64,13 +63,14 @@ from ddptrain.state.resume import (
     check_out_dir,
     check_position,
     check_trainable,
+    find_resume,
     load_resumed,
     roll_back,
 )
 from ddptrain.train import trainer
 from ddptrain.train.ema import build_ema
 from ddptrain.train.loss import build_criterion
-from ddptrain.train.optim import build_optimizer, keep_given, settings
+from ddptrain.train.optim import build_optimizer, keep_given, rebased, settings
 from ddptrain.train.preempt import StopRequests
 from ddptrain.train.schedule import fast_forward
 
@@ -107,7 +107,9 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         if unlocked:  # a file system without locks
             warn(env, unlocked)
     seed = from_rank0(env, lambda: _data_seed(config))
-    resume = from_rank0(env, lambda: resolve(config.resume, out_dir, lambda w: warn(env, w)))
+    resume = from_rank0(
+        env, lambda: find_resume(config.resume, out_dir, config.evaluate, lambda w: warn(env, w))
+    )
     if config.seed is not None:
         _seed_everything(config.seed, env)
 
@@ -217,7 +219,8 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         try:
             if config.evaluate:
                 return _evaluate_only(run, state)
-            _go_on_from(state, resume is not None, env, out_dir, reporter)
+            # rank 0 rewrites files there: a failure must end every rank
+            agree(env, lambda: _go_on_from(state, resume is not None, env, out_dir, reporter))
             reporter.start(summary)
             if env.is_main:
                 reporter.info(_plan(config, env, loaders.num_classes, precision.amp))
@@ -234,16 +237,16 @@ def _go_on_from(
     state: TrainState, resumed: bool, env: DistEnv, out_dir: Path, reporter: Reporter
 ) -> None:
     """Once every rank has set up, the out-dir continues from where this run starts: what an
-    earlier run recorded and saved after it is dropped (nothing, unless it resumed an earlier
-    checkpoint than the newest)."""
+    earlier run recorded and saved after it is dropped (records after a crash; checkpoints
+    that --resume auto passed over as damaged)."""
     reporter.keep_until(state.epoch)
     if not (env.is_main and resumed):
         return
     dropped = roll_back(out_dir, state.global_step)
     if dropped:
         reporter.warn(
-            f"--resume: continuing from global step {state.global_step}, so the later "
-            f"checkpoints of {out_dir} are removed: {', '.join(p.name for p in dropped)}"
+            f"--resume auto: continuing from global step {state.global_step}, so the damaged "
+            f"later checkpoints of {out_dir} are removed: {', '.join(p.name for p in dropped)}"
         )
 
 
@@ -301,7 +304,9 @@ def _restore(checkpointer, saved, scheduler, config: Config, steps_per_epoch: in
     per_epoch_schedule = int(saved.get("format_version", 1)) < 2
     built = settings(scheduler.optimizer)
     state = checkpointer.restore(saved, skip={"scheduler"} if per_epoch_schedule else set())
-    keep_given(scheduler.optimizer, built, None if per_epoch_schedule else scheduler)
+    bases = keep_given(scheduler.optimizer, built, None if per_epoch_schedule else scheduler)
+    if state.epoch_lr is not None:  # the record of the epoch under way, at the new base too
+        state.epoch_lr = rebased(state.epoch_lr, *bases[0])
     if per_epoch_schedule:
         for group in scheduler.optimizer.param_groups:  # from the start, not the restored LR
             group["lr"] = group["initial_lr"]

@@ -32,3 +32,21 @@ def test_every_rank_loads_the_file_and_every_rank_refuses_a_wrong_one(tmp_path):
     # Rank 0 reads first and says why; the others stop with it instead of waiting.
     assert "holds mobilenet_v3_small weights, not --arch resnet18" in refused0
     assert refused1 == "another rank failed while setting up; its output says why"
+
+
+def evaluate_a_new_head(env, ten_classes):
+    # Under fsdp only rank 0 builds weights: the others, on the meta device, see no head.
+    model = build_model("resnet18", 3, 16, pretrained=False, meta=env.rank > 0)
+    try:
+        load_pretrained(model, "resnet18", env, source=ten_classes, classes=["a", "b", "c"])
+    except UserError as err:
+        return str(err)
+    return None
+
+
+def test_evaluating_a_new_head_stops_every_rank(tmp_path):
+    ten_classes = tmp_path / "ten.safetensors"
+    save_file(torchvision.models.resnet18(num_classes=10).state_dict(), ten_classes)
+    refused0, refused1 = run_ranks(evaluate_a_new_head, 2, ten_classes)
+    assert "so the head (fc.bias, fc.weight) would be new, random weights" in refused0
+    assert refused1 == "another rank failed while setting up; its output says why"

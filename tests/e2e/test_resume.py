@@ -1,6 +1,7 @@
 import json
 import signal
 
+import pytest
 from cli import (
     BF16_CROP,
     assert_same_training,
@@ -13,6 +14,7 @@ from cli import (
     val_records,
 )
 from cli import training_state as state
+from test_user_errors import assert_user_error
 
 
 def test_two_epochs_equal_one_then_resume_bitwise(tiny_data, tmp_path):
@@ -82,32 +84,64 @@ def test_loader_workers_do_not_change_the_result(tiny_data, tmp_path, one_rank_r
     assert_same_training(one_rank_run, tmp_path / "j2")  # tiny_args' -j 0
 
 
-def test_resuming_an_earlier_checkpoint_of_the_out_dir_continues_from_it(tiny_data, tmp_path):
-    """Its later checkpoints are of the run it went back from: once removed, they no longer
-    outrank its own saves (numbered by global step) in --resume auto, or in retention. And a
-    mid-epoch checkpoint resumes without -b repeated, the epoch's record with the learning
-    rate the epoch began with."""
+def test_an_earlier_checkpoint_of_the_out_dir_is_refused_while_later_ones_are_there(
+    tiny_data, tmp_path
+):
+    """Going back there would leave them to outrank the run's own saves (numbered by global
+    step) in --resume auto and in retention."""
+    out = tmp_path / "run"
+    ok(ddptrain("train", *tiny_args(tiny_data, out), "--epochs", 2, "--checkpoint-every", 1))
+    before = sorted(p.name for p in out.iterdir())
+    earlier = out / "checkpoint-000000005.pt"
+    result = ddptrain("train", *tiny_args(tiny_data, out), "--epochs", 3, "--resume", earlier)
+    assert_user_error(result, "holds later checkpoints of its run (checkpoint-000000006.pt)")
+    assert "another --out-dir" in result.stderr and sorted(p.name for p in out.iterdir()) == before
+
+
+def test_resume_auto_past_damaged_checkpoints_goes_on_from_the_one_it_found(tiny_data, tmp_path):
+    """The damaged later ones are removed, or they would outrank its own saves: with
+    --keep-last 1, retention kept the damaged one and deleted the save just made. And a
+    mid-epoch checkpoint resumes without -b repeated, the epoch's record with the learning rate
+    the epoch began with."""
     out, straight = tmp_path / "run", tmp_path / "straight"
-    every_step = ("--epochs", 2, "--checkpoint-every", 1, "--keep-last", 3)
-    cosine = ("--lr-scheduler", "cosine")  # a learning rate that changes within an epoch
-    ok(ddptrain("train", *tiny_args(tiny_data, out), *every_step, *cosine))  # 6 steps
+    every_step = ("--epochs", 2, "--checkpoint-every", 1, "--lr-scheduler", "cosine")
+    ok(ddptrain("train", *tiny_args(tiny_data, out), *every_step, "--keep-last", 3))  # 6 steps
     copy_run(out, straight)
-    went_back = ddptrain(
-        "train",
-        *tiny_args(tiny_data, out),
-        *every_step,
-        *("--resume", out / "checkpoint-000000004.pt"),
-        env=env_with(DDPTRAIN_TEST_KILL="between:0:6"),  # after saving step 5
-    )
-    assert went_back.returncode == -signal.SIGKILL, went_back.stderr
-    removed = (
-        "the later checkpoints of {} are removed: checkpoint-000000006.pt, checkpoint-000000005.pt"
-    )
-    assert removed.format(out) in went_back.stderr
+    for step in (5, 6):
+        damage(out / f"checkpoint-{step:09d}.pt")
     args = tiny_args(tiny_data, out)
     del args[args.index("-b") : args.index("-b") + 2]  # the checkpoint's batch, mid-epoch
-    result = ok(ddptrain("train", *args, *every_step, "--resume", "auto"))
+    again = (*every_step, "--keep-last", 1, "--resume", "auto")
+    killed = ddptrain("train", *args, *again, env=env_with(DDPTRAIN_TEST_KILL="between:0:6"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr  # after saving step 5
+    assert f"resumed from {out}/checkpoint-000000004.pt" in killed.stdout
+    removed = "checkpoints of {} are removed: checkpoint-000000006.pt, checkpoint-000000005.pt"
+    assert removed.format(out) in killed.stderr
+    result = ok(ddptrain("train", *args, *again))
     assert f"resumed from {out}/checkpoint-000000005.pt" in result.stdout
     assert_same_training(straight, out)
     lrs = [[r["lr"] for r in val_records(run, "train")] for run in (straight, out)]
     assert lrs[0] == lrs[1] and lrs[0][0] != lrs[0][1]
+
+
+def damage(checkpoint):
+    """A flipped bit inside tensor data: the checksums tell, torch.load alone would not."""
+    data = bytearray(checkpoint.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    checkpoint.write_bytes(bytes(data))
+
+
+def test_a_new_lr_given_on_resume_scales_the_schedule_under_way(tiny_data, tmp_path):
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    run = ("--epochs", 2, "--lr-scheduler", "cosine", "--checkpoint-every", 1)
+    ok(ddptrain("train", *tiny_args(tiny_data, straight), *run))
+    killed = ddptrain(
+        "train", *tiny_args(tiny_data, out), *run, env=env_with(DDPTRAIN_TEST_KILL="between:0:6")
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr  # mid-epoch 2, at step 5
+    ok(ddptrain("train", *tiny_args(tiny_data, out), *run, "--resume", "auto", "--lr", 0.05))
+    lrs = [[r["lr"] for r in val_records(o, "train")] for o in (straight, out)]
+    # Epoch 2 began before the resume: its record too is at the new base, half the old.
+    assert lrs[1][0] == lrs[0][0] and lrs[1][1] == pytest.approx(lrs[0][1] / 2, rel=1e-12)
+    assert json.loads((out / "config.json").read_text())["lr"] == 0.05
+    assert state(out)["optimizer"]["param_groups"][0]["initial_lr"] == 0.05

@@ -12,7 +12,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from ddptrain.dist.collectives import rank0_first
+from ddptrain.dist.collectives import agree, rank0_first
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError, first_line
 from ddptrain.state.files import load as load_checkpoint
@@ -143,22 +143,26 @@ def load_pretrained(
     rank receives rank 0's weights when it is wrapped.
     """
     if next(model.parameters()).is_meta:
-        return rank0_first(env, lambda: [])
-    if source is True:
+        fresh = rank0_first(env, lambda: [])
+    elif source is True:
         state = rank0_first(env, lambda: _pretrained_state(arch, show_progress=env.is_main))
         fresh = _load_fitting(model, state)
-        what = f"torchvision's {arch}"
     else:
         # Loaded inside the collective: a file that does not fit ends every rank.
         fresh = rank0_first(env, lambda: _load_file(model, arch, Path(source), classes))
-        what = str(source)
-    if classes is not None and fresh:
+    if classes is not None:  # agreed: a rank built on the meta device knows of no head
+        what = f"torchvision's {arch}" if source is True else str(source)
+        agree(env, lambda: _check_head(fresh, what, len(classes)))
+    return fresh
+
+
+def _check_head(fresh: list[str], what: str, num_classes: int) -> None:
+    if fresh:
         raise UserError(
             f"--evaluate --pretrained: the weights of {what} are for another number of classes "
-            f"than the data's {len(classes)}, so the head ({', '.join(fresh)}) would be new, "
+            f"than the data's {num_classes}, so the head ({', '.join(fresh)}) would be new, "
             "random weights: evaluate weights trained on these classes"
         )
-    return fresh
 
 
 def _load_fitting(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:

@@ -2,6 +2,7 @@
 checkpoint it resumes (read, and fit to continue this run)."""
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ddptrain.config import Config
@@ -14,6 +15,7 @@ from ddptrain.state.files import (
     load,
     numbered,
     remove_stale_temp_files,
+    resolve,
 )
 
 
@@ -27,7 +29,6 @@ def check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool, auto: bool
         raise UserError(f"--out-dir {out_dir} is not writable")
     if evaluate:
         return
-    remove_stale_temp_files(out_dir)
     earlier = [out_dir / LATEST, *numbered(out_dir)]
     earlier = [p for p in earlier if p.exists()]
     continues = resume is not None and any(p.samefile(resume) for p in earlier)
@@ -42,24 +43,59 @@ def check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool, auto: bool
             f"--out-dir {out_dir} already holds {earlier[0].name} of an earlier run: continue "
             "it with --resume auto, or choose another --out-dir"
         )
+    if continues and not auto:
+        steps = [global_step_of(p) for p in numbered(out_dir) if p.samefile(resume)]
+        later = [p.name for p in numbered(out_dir) if steps and global_step_of(p) > steps[0]]
+        if later:  # going back here would leave them to outrank this run's own saves
+            raise UserError(
+                f"--resume {resume}: --out-dir {out_dir} holds later checkpoints of its run "
+                f"({', '.join(later)}): resume it into another --out-dir, or move those away "
+                "first"
+            )
+
+
+def find_resume(
+    resume: str | None, out_dir: Path, evaluate: bool, skipped: Callable[[str], None]
+) -> Path | None:
+    """The checkpoint --resume names (files.resolve), once the leftovers of a crash are gone
+    from the out-dir: a checkpoint folder a crash left set aside is back in its place before
+    `auto` looks (not for --evaluate, which writes nothing). Rank 0, holding the out-dir's
+    lock."""
+    if not evaluate:
+        remove_stale_temp_files(out_dir)
+    return resolve(resume, out_dir, skipped)
 
 
 def roll_back(out_dir: Path, global_step: int) -> list[Path]:
-    """Makes the checkpoint of global_step, which this run resumed, the newest in out_dir again:
-    those of later steps belong to the run it went back from, as do their metrics records
-    (Reporter.keep_until). Left there, they would outrank this run's saves, which are numbered
-    by global step: --resume auto would pick them, and retention would delete a save as it is
-    made. Removes them and points the latest link back at the one resumed; returns what it
-    removed. On the main rank, once every rank has set up: a run that fails to start removes
+    """Makes the checkpoint of global_step, which this run resumed, the newest in out_dir
+    again: `--resume auto` passed over later ones, found damaged (an earlier checkpoint named
+    on purpose is refused while later ones exist: check_out_dir). Left there, they would
+    outrank this run's saves, which are numbered by global step: in retention, which would
+    delete a save as it is made. Removes them, and points each latest link that named one of
+    them at the newest checkpoint of its format left (or removes it); returns what it removed.
+    On the main rank, once every rank has set up: a run that fails to start removes
     nothing."""
     later = [path for path in numbered(out_dir) if global_step_of(path) > global_step]
+    links = {sharded.SUFFIX: out_dir / sharded.LATEST, ".pt": out_dir / LATEST}
+    stale = [s for s, link in links.items() if any(_names(link, p) for p in later)]
     for path in later:
         files.remove(path)
-    if later:
-        for path in numbered(out_dir):
-            if global_step_of(path) == global_step:
-                (sharded.link_latest if path.suffix == sharded.SUFFIX else files.link_latest)(path)
+    for suffix in stale:
+        newest = next((p for p in numbered(out_dir) if p.suffix == suffix), None)
+        if newest is None:
+            links[suffix].unlink(missing_ok=True)
+        else:
+            (sharded.link_latest if suffix == sharded.SUFFIX else files.link_latest)(newest)
     return later
+
+
+def _names(link: Path, checkpoint: Path) -> bool:
+    """Whether a latest link (checkpoint.pt, a hard link; checkpoint.dcp, a symlink) is that
+    checkpoint."""
+    try:
+        return link.samefile(checkpoint)
+    except OSError:
+        return False
 
 
 def load_resumed(path: Path) -> dict:

@@ -6,7 +6,15 @@ from torch import nn, optim
 from ddptrain.config import Config
 from ddptrain.train.schedule import build_scheduler, fast_forward
 
-__all__ = ["base_lr", "build_optimizer", "fast_forward", "keep_given", "param_groups", "settings"]
+__all__ = [
+    "base_lr",
+    "build_optimizer",
+    "fast_forward",
+    "keep_given",
+    "param_groups",
+    "rebased",
+    "settings",
+]
 
 # Layers whose parameters scale activations rather than mix them, which weight decay would
 # only pull towards zero (torchvision's references: `set_weight_decay`).
@@ -78,29 +86,32 @@ def keep_given(
     optimizer: optim.Optimizer,
     built: list[dict],
     scheduler: optim.lr_scheduler.LRScheduler | None,
-) -> None:
+) -> list[tuple[float, float]]:
     """After a checkpoint's optimizer (and `scheduler`, when loaded too) are loaded, which bring
     back the settings they were saved with: the settings this run was built with (`built`,
     taken before the load), which hold the flags given on resume (a flag given wins: --lr,
     --momentum, --wd). A new base LR scales the schedule under way, every LR it gave and will
-    give by new / old, so its shape (warmup, steps, cosine) goes on from where it was."""
+    give by new / old, so its shape (warmup, steps, cosine) goes on from where it was (a
+    cosine still ends at --lr-min). Returns each group's (base LR saved, base LR now), for
+    `rebased`."""
     groups = optimizer.param_groups
     bases = []  # per group: the base LR saved, and this run's
     for group, given in zip(groups, built, strict=True):
         bases.append((group.get("initial_lr", given["initial_lr"]), given["initial_lr"]))
-        group["lr"] = _rebased(group["lr"], *bases[-1])
+        group["lr"] = rebased(group["lr"], *bases[-1])
         group.update({k: v for k, v in given.items() if k != "lr"})
     if scheduler is None:
-        return
+        return bases
     # SequentialLR and ChainedScheduler keep no base LRs of their own: their parts (in
     # _schedulers) do.
     for part in [scheduler, *getattr(scheduler, "_schedulers", [])]:
         if hasattr(part, "base_lrs"):
-            part.base_lrs = [_rebased(lr, *b) for lr, b in zip(part.base_lrs, bases, strict=True)]
+            part.base_lrs = [rebased(lr, *b) for lr, b in zip(part.base_lrs, bases, strict=True)]
         part._last_lr = [group["lr"] for group in groups]
+    return bases
 
 
-def _rebased(lr: float, old: float, new: float) -> float:
+def rebased(lr: float, old: float, new: float) -> float:
     """An LR of a schedule from base `old`, in the same schedule from base `new` (one from 0
     gave 0 all along: then `new`). The same base leaves it as it is, bit for bit: lr * b / b
     need not be lr in floating point, and resume is bitwise."""
