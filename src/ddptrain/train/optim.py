@@ -100,8 +100,8 @@ def keep_given(
         bases.append((group.get("initial_lr", given["initial_lr"]), given["initial_lr"]))
         group["lr"] = rebased(group["lr"], *bases[-1])
         group.update({k: v for k, v in given.items() if k != "lr"})
-    if scheduler is None:
-        return bases
+    if scheduler is None or all(old == new for old, new in bases):
+        return bases  # the schedule's own state as saved, bit for bit: resume is exact
     # SequentialLR and ChainedScheduler keep no base LRs of their own: their parts (in
     # _schedulers) do.
     for part in [scheduler, *getattr(scheduler, "_schedulers", [])]:
