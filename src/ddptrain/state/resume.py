@@ -29,8 +29,8 @@ def check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool, auto: bool
         raise UserError(f"--out-dir {out_dir} is not writable")
     if evaluate:
         return
-    earlier = [out_dir / LATEST, *numbered(out_dir)]
-    earlier = [p for p in earlier if p.exists()]
+    checkpoints = numbered(out_dir)
+    earlier = [p for p in [out_dir / LATEST, *checkpoints] if p.exists()]
     continues = resume is not None and any(p.samefile(resume) for p in earlier)
     if earlier and not continues and auto:
         raise UserError(
@@ -44,8 +44,8 @@ def check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool, auto: bool
             "it with --resume auto, or choose another --out-dir"
         )
     if continues and not auto:
-        steps = [global_step_of(p) for p in numbered(out_dir) if p.samefile(resume)]
-        later = [p.name for p in numbered(out_dir) if steps and global_step_of(p) > steps[0]]
+        steps = [global_step_of(p) for p in checkpoints if p.samefile(resume)]
+        later = [p.name for p in checkpoints if steps and global_step_of(p) > steps[0]]
         if later:  # going back here would leave them to outrank this run's own saves
             raise UserError(
                 f"--resume {resume}: --out-dir {out_dir} holds later checkpoints of its run "
