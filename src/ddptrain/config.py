@@ -408,6 +408,12 @@ class Config:
                 "--ddp-comm-hook powersgd with --static-graph: a static graph lets DDP rebuild "
                 "its buckets, which would make a resumed run differ; drop --static-graph"
             )
+        if self.ddp_comm_hook == "powersgd" and self.amp == "fp16":
+            raise UserError(
+                "--ddp-comm-hook powersgd with --amp fp16: the gradient scaler's overflowing "
+                "steps would feed inf into PowerSGD's error feedback, which keeps it for every "
+                "later step; use --amp bf16 or another hook"
+            )
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UserError(f"--clip-grad-norm must be positive, got {self.clip_grad_norm}")
         if self.evaluate and not (self.resume or self.pretrained):

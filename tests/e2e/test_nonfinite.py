@@ -3,7 +3,7 @@ checkpoint is ever written, and --nonfinite skip drops the bad step on every ran
 
 import json
 
-from cli import ok, tiny_args, torchrun, training_state
+from cli import ddptrain, ok, tiny_args, torchrun, training_state
 from test_user_errors import assert_user_error
 
 from ddptrain.state.files import load, numbered, weights_finite
@@ -58,6 +58,26 @@ def test_skip_drops_the_bad_step_on_every_rank_and_goes_on(tiny_data, tmp_path):
     state = training_state(tmp_path)
     assert state["global_step"] == 6 and weights_finite(state)
     assert state["model_ema"]["updates"] == 5  # the EMA skipped the dropped step too
+
+
+def test_skip_puts_back_the_batchnorm_statistics_a_bad_batch_moved(tiny_data, tmp_path):
+    # The forward of a NaN batch makes the running statistics NaN before the step is dropped:
+    # left so, the epoch's checkpoint holds non-finite weights and the run fails at its save.
+    poisoned = {"DDPTRAIN_TEST_NAN": "0:2"}
+    args = ("train", *tiny_args(tiny_data, tmp_path), "--nonfinite", "skip")
+    ok(ddptrain(*args, env=poisoned))
+    assert [r["skipped"] for r in train_records(tmp_path)] == [1]
+    assert weights_finite(training_state(tmp_path))
+
+
+def test_skip_under_powersgd_trains_on_after_the_dropped_step(tiny_data, tmp_path):
+    # PowerSGD's error feedback took in the NaN gradient: kept, it made every later step NaN.
+    poisoned = {"DDPTRAIN_TEST_NAN_GRAD": "0:3"}
+    hook = ("--ddp-comm-hook", "powersgd", "--powersgd-start-step", 2)
+    args = ("train", *tiny_args(tiny_data, tmp_path), "--epochs", 3, "--nonfinite", "skip")
+    ok(torchrun(2, *args, *hook, env=poisoned))
+    assert [r["skipped"] for r in train_records(tmp_path)] == [1, 0, 0]
+    assert weights_finite(training_state(tmp_path))
 
 
 def test_skip_stops_after_max_skipped(tiny_data, tmp_path):

@@ -215,6 +215,8 @@ def test_ddp_communication_flags_are_refused_under_fsdp(flags, named):
     assert config.strategy == "ddp"
 
 
-def test_powersgd_with_a_static_graph_is_refused():
+def test_powersgd_with_a_static_graph_or_fp16_is_refused():
     with pytest.raises(UserError, match="--static-graph"):
         parse(["train", "--ddp-comm-hook", "powersgd", "--static-graph"])
+    with pytest.raises(UserError, match="powersgd with --amp fp16"):
+        parse(["train", "--ddp-comm-hook", "powersgd", "--amp", "fp16"])

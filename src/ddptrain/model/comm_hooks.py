@@ -70,6 +70,13 @@ class LaidOutPowerSGDState(powersgd.PowerSGDState):
                 self.q_memory_dict[b] = _reorder(self.q_memory_dict[b], q_slices, now)
         self.layouts[b] = order
 
+    def forget(self) -> None:
+        """Starts the error feedback and the low-rank memories over: a step dropped for
+        non-finite gradients fed them in, and they would pass them on to every later step. The
+        hook makes them anew, its random start drawn from a generator equal on every rank."""
+        for kept in (self.error_dict, self.p_memory_dict, self.q_memory_dict):
+            kept.clear()
+
     def _memory_slots(self, order: list[int]) -> list[tuple[int, int, int]]:
         """(parameter, its length in P, in Q) for each slot of the P and Q memories, in the
         order powerSGD_hook lays them out: the gradients worth compressing, viewed as matrices,

@@ -183,6 +183,14 @@ def checkpoint_parts(model: nn.Module, env: DistEnv) -> dict:
 
 
 @contextlib.contextmanager
+def forget_dropped_step(model: nn.Module) -> None:
+    """After a step dropped on every rank for non-finite gradients (--nonfinite skip): what the
+    gradient communication kept of them (PowerSGD's error feedback) starts over."""
+    state = getattr(model, "powersgd_state", None)
+    if state is not None:
+        state.forget()
+
+
 def no_gradient_sync(model: nn.Module):
     """Backward without reducing gradients over the ranks: for all but the last micro-batch of
     an accumulated step, whose backward then reduces the sum once."""

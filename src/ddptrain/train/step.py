@@ -7,7 +7,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ddptrain.model.parallelize import gradients_in_buckets, no_gradient_sync
+from ddptrain.model.parallelize import (
+    forget_dropped_step,
+    gradients_in_buckets,
+    no_gradient_sync,
+)
 from ddptrain.model.precision import Precision
 
 AUX_WEIGHT = 0.4  # googlenet and inception_v3 auxiliary heads, as torchvision's references
@@ -109,6 +113,9 @@ class Step:
         """Returns the batch's mean loss (detached when accumulated; NaN when a gradient was
         not finite) and its logits."""
         losses, outputs = [], []
+        # A dropped step leaves no trace: the forward in train mode moves BatchNorm's running
+        # statistics, which a bad batch makes non-finite, so they go back as they were.
+        buffers = [b.detach().clone() for b in self.model.buffers()] if self.skip_nonfinite else []
         chunks = zip(images.chunk(self.accum_steps), target.chunk(self.accum_steps), strict=True)
         for i, (micro_images, micro_target) in enumerate(chunks):
             last = i == self.accum_steps - 1
@@ -131,8 +138,11 @@ class Step:
             # --nonfinite error: a step whose gradients are not finite reports a NaN loss, so
             # the checks on the loss (train_epoch's, on device) catch it at this very step.
             loss = torch.where(self.finite(losses), loss, float("nan"))
-        if self.skipped:
-            self.optimizer.zero_grad(set_to_none=self.set_to_none)  # dropped on every rank
+        if self.skipped:  # on every rank
+            self.optimizer.zero_grad(set_to_none=self.set_to_none)
+            for buffer, kept in zip(self.model.buffers(), buffers, strict=True):
+                buffer.copy_(kept)
+            forget_dropped_step(self.model)
         else:
             self.mark("optimizer step")
             self.clip()
