@@ -387,7 +387,9 @@ def _prepare(
             check_trainable(saved, resume)
     precision = resolve_precision(config, None, model, env.device)
     done = TrainState.from_checkpoint(saved or {"epoch": config.start_epoch})
-    reporter = Reporter(env, out_dir, config.progress, config.tensorboard, done.global_step)
+    reporter = Reporter(
+        env, out_dir, config.progress, config.tensorboard, done.global_step, config.evaluate
+    )
     if precision.warning:
         reporter.warn(precision.warning)
     if saved is None:
@@ -418,7 +420,8 @@ def _data_root(config: Config, env: DistEnv) -> Path | None:
 
 def _evaluate_only(run: trainer.Run, state: TrainState) -> TrainState:
     val = run.evaluate(run.model, "evaluation", state.global_step)
-    run.reporter.record({"split": "val", "epoch": state.epoch, **val})
+    record = {"split": "val", "epoch": state.epoch, "global_step": state.global_step}
+    run.reporter.record({**record, **val})
     run.reporter.info(
         f"val: loss {val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} "
         f"({val['samples']} images)"

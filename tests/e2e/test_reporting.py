@@ -7,12 +7,13 @@ import fcntl
 import json
 import os
 import pty
+import shutil
 import struct
 import subprocess
 import sys
 import termios
 
-from cli import DEADLINE, env_with, ok, tiny_args, torchrun
+from cli import DEADLINE, ddptrain, env_with, ok, tiny_args, torchrun
 
 
 def test_a_terminal_gets_a_bar_and_a_pipe_gets_lines(tiny_data, tmp_path):
@@ -94,3 +95,21 @@ def test_profile_writes_rank_0s_trace_of_the_steps_asked_for(tiny_data, tmp_path
     steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
     assert len(steps) == 2  # the warm-up step is not recorded
     assert not list(tmp_path.glob(".profile.json.*"))
+
+
+def test_eval_into_a_run_dir_appends_its_val_record_and_changes_nothing_else(
+    tiny_data, tmp_path, one_rank_run
+):
+    run = tmp_path / "run"
+    shutil.copytree(one_rank_run, run)
+    before = (run / "summary.csv").read_text()
+    records = (run / "metrics.jsonl").read_text().splitlines()
+    args = ("eval", *tiny_args(tiny_data, run), "--resume", run / "checkpoint.pt")
+    ok(ddptrain(*args, "--tensorboard"))
+    assert (run / "summary.csv").read_text() == before  # the training's own row
+    assert not (run / "tensorboard").exists()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert lines[:-1] == records
+    trained, evaluated = json.loads(records[-1]), json.loads(lines[-1])
+    assert evaluated["split"] == "val" and evaluated["samples"] == 15
+    assert (evaluated["epoch"], evaluated["global_step"]) == (1, trained["global_step"])

@@ -24,14 +24,19 @@ class Reporter:
         progress: str = "auto",
         tensorboard: bool = False,
         resumed_step: int = 0,
+        evaluating: bool = False,
     ):
-        """out_dir None: show, record nothing (--evaluate records its val line only)."""
+        """out_dir None: show, record nothing. `evaluating` (--evaluate) appends its val line
+        to metrics.jsonl only: the out-dir may be a training run's, whose summary.csv row and
+        TensorBoard curves (purged after the evaluated step) are the training's own."""
         self.env, self.main = env, env.is_main
         self.progress = make_progress(progress if self.main else "none")
         self.sinks: list = []
         if self.main and out_dir is not None:
-            self.sinks = [MetricsLog(out_dir, True), SummaryCsv(out_dir, True)]
-            if tensorboard:
+            self.sinks = [MetricsLog(out_dir, True)]
+            if not evaluating:
+                self.sinks.append(SummaryCsv(out_dir, True))
+            if tensorboard and not evaluating:
                 self.sinks.append(TensorBoardSink(out_dir, True, after_step=resumed_step))
 
     def info(self, line: str) -> None:
