@@ -2,6 +2,7 @@
 
 import contextlib
 import io
+import os
 import shutil
 
 import pytest
@@ -163,3 +164,16 @@ def test_verify_says_the_bad_files_on_stderr_and_the_verdict_on_stdout(bad_data,
     assert len(left_out) == 2 and said == [True, True, False]
     assert check.images_to_leave_out(skip, ONE) == left_out  # no terminal: the same, silently
     assert capsys.readouterr() == ("", "")
+
+
+def test_a_file_name_that_is_not_utf8_is_listed_checked_and_digested(tiny_data, tmp_path):
+    # Latin-1 names from old archives: Python holds them with surrogates, which a strict
+    # .encode() refused in the file-list digests (every run failed with a traceback).
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    bar = data / "train" / "bar"
+    facts = folder.facts(folder.image_folder(data / "train", transform=None))
+    (bar / "00000.png").rename(bar / os.fsdecode(b"caf\xe9.png"))
+    renamed = folder.facts(folder.image_folder(data / "train", transform=None))
+    assert renamed["images"] == facts["images"] and renamed["digest"] != facts["digest"]
+    config = Config(data=str(data), workers=0, verify_images=True)
+    assert check.images_to_leave_out(config, ONE) == frozenset()

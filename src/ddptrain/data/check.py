@@ -23,6 +23,7 @@ Nothing here prints: the caller hands in its terminal, `say(line, stderr=False)`
 
 import contextlib
 import hashlib
+import os
 from pathlib import Path
 
 from torch.utils.data import DataLoader, Dataset
@@ -135,7 +136,7 @@ def images_to_leave_out(
         say, counting = _quiet, _uncounted
     root = Path(config.data)
     files = agree(env, lambda: list_images(root, ("val",) if config.evaluate else SPLITS))
-    listed = hashlib.sha256("\n".join(files).encode()).hexdigest()
+    listed = hashlib.sha256(os.fsencode("\n".join(files))).hexdigest()  # names need not be UTF-8
     check_same(env, {"image files": listed})  # else the ranks' shares would not cover them
     share = files[env.rank :: env.world_size]
     found = agree(

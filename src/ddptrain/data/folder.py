@@ -141,7 +141,7 @@ def facts(dataset: ImageFolder) -> dict:
     digest = hashlib.sha256()
     labels = (label for _, label in dataset.samples)
     for path, label in sorted(zip(relative_paths(dataset), labels, strict=True)):
-        digest.update(f"{path}\t{label}\n".encode())
+        digest.update(os.fsencode(f"{path}\t{label}\n"))  # names need not be UTF-8
     return {"images": len(dataset.samples), "digest": digest.hexdigest()}
 
 
