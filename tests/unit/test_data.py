@@ -1,9 +1,12 @@
+import os
 import shutil
 
 import pytest
 import torch
+from PIL import Image
 
 from ddptrain.config import Config
+from ddptrain.data import check, folder
 from ddptrain.data.loaders import build_data
 from ddptrain.data.transforms import val_transform
 from ddptrain.dist.env import DistEnv
@@ -73,6 +76,24 @@ def test_hidden_folders_are_ignored(tree):
     hidden.mkdir()
     shutil.copy(next((tree / "train" / "bar").iterdir()), hidden / "x.png")
     assert build(tree).num_classes == 3
+
+
+def test_hidden_files_and_folders_inside_a_class_are_ignored_and_gifs_taken(tree):
+    bar = tree / "train" / "bar"
+    image = next(bar.iterdir())
+    (bar / ".thumbnails").mkdir()
+    shutil.copy(image, bar / ".thumbnails" / "x.png")  # would be counted as bar
+    shutil.copy(image, bar / "._x.png")  # macOS's resource fork: not an image at all
+    Image.open(image).save(bar / "x.gif")
+    train = folder.image_folder(tree / "train", None)
+    assert len(train) == 24 + 1 and f"{bar}/x.gif" in [path for path, _ in train.samples]
+    assert check.list_images(tree).count("train/bar/x.gif") == 1
+
+
+def test_a_file_that_is_not_a_regular_file_is_a_bad_image_not_a_hang(tree):
+    pipe = tree / "val" / "bar" / "pipe.png"
+    os.mkfifo(pipe)
+    assert folder.image_problem(str(pipe)) == "not a regular file"
 
 
 def test_unreadable_image_is_named(tree):

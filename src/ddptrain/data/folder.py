@@ -4,11 +4,13 @@ import functools
 import hashlib
 import io
 import os
+import stat
 from pathlib import Path
 
 import torch
 from PIL import Image, UnidentifiedImageError
 from torchvision import datasets
+from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension, make_dataset
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as F
 
@@ -51,6 +53,8 @@ def image_problem(path: str, max_pixels: int | None = MAX_IMAGE_PIXELS) -> str |
 
 def _read_rgb(path: str, max_pixels: int | None) -> torch.Tensor:
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO's read would wait forever
+            raise _Unreadable("not a regular file")
         with open(path, "rb") as f:
             encoded = f.read()
     except OSError as err:
@@ -96,8 +100,14 @@ def _decode_with_pil(encoded: bytes) -> torch.Tensor:
         raise _Unreadable(str(err)) from None
 
 
+# torchvision's list, and GIF, which torchvision.io decodes but the list leaves out
+EXTENSIONS = (*IMG_EXTENSIONS, ".gif")
+
+
 class ImageFolder(datasets.ImageFolder):
-    """torchvision's ImageFolder that skips hidden folders (.ipynb_checkpoints, .Trash, ...)."""
+    """torchvision's ImageFolder that skips hidden files and folders at any depth
+    (.ipynb_checkpoints, .Trash, a thumbnail cache in a class folder, macOS's ._ files) and
+    takes GIFs too."""
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         classes = sorted(
@@ -107,6 +117,19 @@ class ImageFolder(datasets.ImageFolder):
             raise FileNotFoundError(f"no class folders in {directory}")
         return classes, {name: i for i, name in enumerate(classes)}
 
+    @staticmethod
+    def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, **kwargs):
+        prefix = os.path.join(directory, "")
+
+        def is_image(path: str) -> bool:
+            hidden = os.sep + "." in os.sep + path[len(prefix) :]  # cheaper than relpath
+            return not hidden and has_file_allowed_extension(path, EXTENSIONS)
+
+        try:
+            return make_dataset(directory, class_to_idx, None, is_image, **kwargs)
+        except FileNotFoundError as err:  # torchvision names the extensions only for its own
+            raise FileNotFoundError(f"{err}Image files end in {', '.join(EXTENSIONS)}") from None
+
 
 def image_folder(root: Path, transform, max_pixels: int | None = MAX_IMAGE_PIXELS) -> ImageFolder:
     if not root.is_dir():
@@ -114,7 +137,7 @@ def image_folder(root: Path, transform, max_pixels: int | None = MAX_IMAGE_PIXEL
     loader = functools.partial(load_rgb, max_pixels=max_pixels)
     try:
         return ImageFolder(str(root), transform=transform, loader=loader)
-    except FileNotFoundError as err:  # no class folders, or a class folder with no images
+    except OSError as err:  # no class folders, a class folder with no images, no permission
         raise UserError(f"{root}: {err}") from None
 
 
