@@ -196,6 +196,8 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         mark=phases.within_step,
     )
     state = _restore(checkpointer, saved, scheduler, config, steps_per_epoch)
+    if ema is not None and saved is not None and "model_ema" not in saved:
+        ema.start_from(unwrap(model))  # --model-ema new on resume: not from the built weights
     if precision.compile:
         model = compile_model(model)
     with StopRequests(env) as stop:

@@ -2,6 +2,7 @@ import json
 import signal
 
 import pytest
+import torch
 from cli import (
     BF16_CROP,
     assert_same_training,
@@ -145,3 +146,15 @@ def test_a_new_lr_given_on_resume_scales_the_schedule_under_way(tiny_data, tmp_p
     assert lrs[1][0] == lrs[0][0] and lrs[1][1] == pytest.approx(lrs[0][1] / 2, rel=1e-12)
     assert json.loads((out / "config.json").read_text())["lr"] == 0.05
     assert state(out)["optimizer"]["param_groups"][0]["initial_lr"] == 0.05
+
+
+def test_model_ema_added_on_resume_starts_from_the_resumed_weights(tiny_data, tmp_path):
+    # Until its first update (none within 3 steps here) the average is what it began from: the
+    # resumed model, not the weights the model was built with.
+    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path)))
+    ema = ("--model-ema", "--model-ema-steps", 32, "--resume", "auto")
+    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path), "--epochs", 2, *ema))
+    resumed = torch.load(tmp_path / "checkpoint-000000003.pt", weights_only=True)["model"]
+    average = state(tmp_path)["model_ema"]
+    assert average["updates"] == 0 and average["model"].keys() == resumed.keys()
+    assert all(torch.equal(average["model"][k], resumed[k]) for k in resumed)

@@ -38,6 +38,9 @@ def test_a_vit_is_built_for_the_crop_size():
         model = build_model(arch, 3, 32, pretrained=False)
         assert model.encoder.pos_embedding.shape[1] == patches + 1  # and the class token
         assert model(torch.zeros(1, 3, 32, 32)).shape == (1, 3)
+    # for weights of ddptrain's own (--pretrained FILE) too: only torchvision's are for 224 px
+    model = build_model("vit_b_32", 3, 32, pretrained="runs/vit/model_best.pt", meta=True)
+    assert model.encoder.pos_embedding.shape[1] == 2
 
 
 def test_auxiliary_heads_train_with_their_loss():

@@ -48,7 +48,7 @@ def build_model(
     """
     # Only torchvision's own weights expect it (pretrained=True; a str is a file of ours).
     extra = {"transform_input": True} if pretrained is True and arch in TRANSFORM_INPUT else {}
-    if arch.startswith("vit_") and not pretrained:
+    if arch.startswith("vit_") and pretrained is not True:
         # A ViT's position embedding is sized for its image size (224 unless told): build it
         # for the crops it will see. Published weights are for 224 px only.
         extra["image_size"] = image_size

@@ -61,6 +61,12 @@ class ModelEma:
         self.updates = 0
         self.weights = ModelState(self.module, env, is_sharded(self.module))
 
+    def start_from(self, model: nn.Module) -> None:
+        """The average begins anew at the model's weights as they are now (restored from a
+        checkpoint that holds no average); its first update copies them again."""
+        _copy(_held(model), _held(self.module))
+        self.updates = 0
+
     @torch.no_grad()
     def update(self, model: nn.Module, step: int) -> None:
         """After optimizer step number `step` (counted from 1 over the whole run, like the
