@@ -300,8 +300,9 @@ def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
 def _restore(checkpointer, saved, scheduler, config: Config, steps_per_epoch: int) -> TrainState:
     """The checkpoint's state in every part, or a fresh state. A collective."""
     if saved is None:
-        fast_forward(scheduler, config.start_epoch * steps_per_epoch)
-        return TrainState(epoch=config.start_epoch)
+        done = config.start_epoch * steps_per_epoch  # the steps of the epochs said to be done
+        fast_forward(scheduler, done)
+        return TrainState(epoch=config.start_epoch, global_step=done)
     # Checkpoints of format 1 stepped their schedule per epoch: replay the per-step one instead.
     per_epoch_schedule = int(saved.get("format_version", 1)) < 2
     built = settings(scheduler.optimizer)

@@ -158,3 +158,10 @@ def test_model_ema_added_on_resume_starts_from_the_resumed_weights(tiny_data, tm
     average = state(tmp_path)["model_ema"]
     assert average["updates"] == 0 and average["model"].keys() == resumed.keys()
     assert all(torch.equal(average["model"][k], resumed[k]) for k in resumed)
+
+
+def test_start_epoch_moves_the_global_step_with_the_schedule(tiny_data, tmp_path):
+    ok(ddptrain("train", *tiny_args(tiny_data, tmp_path), "--start-epoch", 1, "--epochs", 2))
+    (train,) = val_records(tmp_path, "train")
+    assert (train["epoch"], train["global_step"]) == (2, 6)  # 3 steps an epoch
+    assert (tmp_path / "checkpoint-000000006.pt").exists() and state(tmp_path)["global_step"] == 6
