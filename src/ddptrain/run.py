@@ -131,6 +131,9 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
             "data files": loaders.facts,
         },
     )
+    # fsdp's collectives, and the meaning of a checkpoint, need one precision on every rank
+    fix = "--amp auto chooses by each node's CPU or GPU: give --amp when the nodes differ"
+    check_same(env, {"--amp": precision.amp}, fix)
 
     if config.pretrained and saved is None:
         # Evaluated, the weights must know the data's classes: a new head would be random.

@@ -188,6 +188,16 @@ def test_ranks_that_read_different_data_all_stop():
     assert "rank 1 sees other train images than rank 0" in second
 
 
+def amp_chosen_by_each_node(env):
+    return outcome(lambda: check_same(env, {"--amp": ("bf16", "none")[env.rank]}, "give --amp"))
+
+
+def test_ranks_whose_hardware_chose_another_precision_all_stop():
+    first, second = run_ranks(amp_chosen_by_each_node, 2)
+    assert first.startswith("UserError: another rank failed")
+    assert second == "UserError: rank 1 sees other --amp than rank 0: give --amp"
+
+
 def decided_by_rank_0(env):
     return from_rank0(env, lambda: f"rank {env.rank} decides")
 

@@ -89,18 +89,18 @@ def gather_from_all(env: DistEnv, value: object) -> list:
     return values
 
 
-def check_same(env: DistEnv, facts: dict) -> None:
+def check_same(
+    env: DistEnv, facts: dict, fix: str = "every node must read the same data and checkpoint"
+) -> None:
     """Every rank must hold rank 0's facts (data sizes, classes, resumed epoch): ranks that read
-    different copies of the data or of a checkpoint would run different numbers of steps."""
+    different copies of the data or of a checkpoint would run different numbers of steps.
+    `fix` ends the error."""
     reference = from_rank0(env, lambda: facts)
 
     def compare() -> None:
         differ = [name for name in facts if facts[name] != reference[name]]
         if differ:
-            raise UserError(
-                f"rank {env.rank} sees other {', '.join(differ)} than rank 0: every node must "
-                "read the same data and checkpoint"
-            )
+            raise UserError(f"rank {env.rank} sees other {', '.join(differ)} than rank 0: {fix}")
 
     agree(env, compare)
 
