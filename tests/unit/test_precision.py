@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -6,6 +8,7 @@ from ddptrain.config import Config
 from ddptrain.errors import UserError
 from ddptrain.model import precision
 from ddptrain.model.build import build_model
+from ddptrain.model.parallelize import ReplicaAutocast, unwrap
 from ddptrain.model.precision import (
     Precision,
     auto_amp,
@@ -171,3 +174,27 @@ def test_auto_keeps_a_cpu_run_in_fp32_where_bf16_is_wrong():
     if bf16_units(CPU):  # else the warning says that bf16 is emulated
         assert "layer4.0.conv1 convolves a 1x1 map" in warning and "--amp none" in warning
         assert resolve_precision(Config(image_size=32), None, model, CPU).amp == "bf16"
+
+
+def test_each_dataparallel_replica_computes_in_the_runs_dtype():
+    # torch's parallel_apply runs each replica in a thread of its own, entering
+    # `autocast("cuda", enabled=...)` without a dtype: there the default, fp16.
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(torch.get_autocast_dtype("cuda"))
+            return x
+
+    wrapped = ReplicaAutocast(Probe(), torch.bfloat16)
+
+    def replica():
+        with torch.amp.autocast("cuda", enabled=True):  # as parallel_apply enters it
+            Probe()(torch.zeros(1))
+            wrapped(torch.zeros(1))
+
+    thread = threading.Thread(target=replica)
+    thread.start()
+    thread.join()
+    assert seen == [torch.float16, torch.bfloat16]
+    assert unwrap(nn.DataParallel(wrapped)) is wrapped.module  # no prefix in checkpoints

@@ -89,8 +89,22 @@ def wrap(
             "launch with `torchrun --nproc-per-node N -m ddptrain train ...` instead",
             stacklevel=2,
         )
-        return nn.DataParallel(model)
+        return nn.DataParallel(model if amp_dtype is None else ReplicaAutocast(model, amp_dtype))
     return model
+
+
+class ReplicaAutocast(nn.Module):
+    """The model under DataParallel with --amp: torch's parallel_apply enters autocast anew in
+    each replica's thread without the run's dtype, which on CUDA is fp16 (--amp bf16 would run
+    fp16 with no loss scaling). Each replica's forward enters the run's own."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast("cuda", dtype=self.dtype):
+            return self.module(*args, **kwargs)
 
 
 def will_shard(env: DistEnv, strategy: str) -> bool:
@@ -255,7 +269,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The module under DDP / DataParallel / torch.compile, whose state dict has no prefixes.
     (FSDP2 wraps in place: the module is its own unwrapped self.)"""
     while True:
-        if isinstance(model, (DistributedDataParallel, nn.DataParallel)):
+        if isinstance(model, (DistributedDataParallel, nn.DataParallel, ReplicaAutocast)):
             model = model.module
         elif hasattr(model, "_orig_mod"):
             model = model._orig_mod
