@@ -1,7 +1,9 @@
 import json
 
+import pytest
 import torch
 
+from ddptrain.errors import UserError
 from ddptrain.report.metrics import MetricsLog, Sums, topk_correct
 
 
@@ -53,3 +55,12 @@ def test_resuming_drops_the_records_logged_after_the_checkpoint(tmp_path):
         ("train", 2),
         ("val", 2),
     ]
+
+
+def test_another_programs_metrics_file_is_refused_not_rewritten(tmp_path):
+    theirs = '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+    log = MetricsLog(tmp_path, enabled=True)
+    log.path.write_text(theirs)
+    with pytest.raises(UserError, match=r"metrics.jsonl: line 1 is not a ddptrain record"):
+        log.keep_until(0)  # a fresh run's start
+    assert log.path.read_text() == theirs

@@ -120,3 +120,11 @@ def test_tensorboard_missing_is_one_error_saying_what_to_install(tmp_path, monke
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
     with pytest.raises(UserError, match=r"pip install ddptrain\[tensorboard\]"):
         TensorBoardSink(tmp_path, enabled=True)
+
+
+def test_another_programs_summary_csv_is_refused_not_rewritten(tmp_path):
+    theirs = "name,score\nx,1\n"
+    (tmp_path / "summary.csv").write_text(theirs)
+    with pytest.raises(UserError, match=r"summary.csv is not ddptrain's"):
+        SummaryCsv(tmp_path, True).keep_until(0)
+    assert (tmp_path / "summary.csv").read_text() == theirs

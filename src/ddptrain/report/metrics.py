@@ -10,7 +10,7 @@ import torch
 from ddptrain import faults
 from ddptrain.dist.collectives import all_sum
 from ddptrain.dist.env import DistEnv
-from ddptrain.errors import write_failed
+from ddptrain.errors import UserError, write_failed
 from ddptrain.state.files import atomic_write
 
 
@@ -111,14 +111,22 @@ class MetricsLog:
         them but before the checkpoint it resumes from, which would otherwise appear twice."""
         if not (self.enabled and self.path.exists()):
             return
-        lines = self.path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if _epoch_of(line) <= epoch]
+        lines = self.path.read_bytes().splitlines(keepends=True)
+        epochs = [_epoch_of(line) for line in lines]
+        if None in epochs[:-1]:  # a crash mid-append tears the last line only
+            raise UserError(
+                f"{self.path}: line {epochs.index(None) + 1} is not a ddptrain record: the "
+                "--out-dir holds another program's file; move it away or choose another --out-dir"
+            )
+        kept = [line for line, e in zip(lines, epochs, strict=True) if e is not None and e <= epoch]
         if len(kept) < len(lines):
-            atomic_write(self.path, "".join(kept).encode())
+            atomic_write(self.path, b"".join(kept))
 
 
-def _epoch_of(line: str) -> int:
+def _epoch_of(line: bytes) -> int | None:
+    """The epoch of a record, or None for a line that is none (torn by a crash mid-append)."""
     try:
-        return int(json.loads(line)["epoch"])
-    except (ValueError, KeyError, TypeError):  # a line torn by a crash mid-append
-        return 1 << 62
+        record = json.loads(line)
+        return int(record["epoch"]) if "split" in record else None
+    except (ValueError, KeyError, TypeError):
+        return None

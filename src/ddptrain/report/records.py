@@ -71,6 +71,11 @@ class SummaryCsv:
                 with open(self.path, newline="") as f:
                     reader = csv.DictReader(f)
                     self._header = list(reader.fieldnames or [])
+                    if self._header and self._header[0] != "epoch":
+                        raise UserError(
+                            f"{self.path} is not ddptrain's (its first column is not epoch): "
+                            "move it away or choose another --out-dir"
+                        )
                     for row in reader:
                         self._rows[int(row["epoch"])] = row
         return self._rows
