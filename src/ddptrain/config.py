@@ -10,6 +10,7 @@ Runtime facts (rank, device, per-rank batch) live in `DistEnv`, never here.
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 
 from ddptrain.errors import UserError
@@ -338,6 +339,11 @@ class Config:
         self._check_recipe()
 
     def _check(self) -> None:
+        for f in dataclasses.fields(self):  # argparse's float() and TOML take nan and inf
+            value = getattr(self, f.name)
+            for number in value if isinstance(value, tuple) else (value,):
+                if isinstance(number, float) and not math.isfinite(number):
+                    raise UserError(f"{flag_name(f.name)} must be a finite number, got {number}")
         at_least = {
             "--workers": (self.workers, 0),
             "--epochs": (self.epochs, 0),

@@ -220,3 +220,11 @@ def test_powersgd_with_a_static_graph_or_fp16_is_refused():
         parse(["train", "--ddp-comm-hook", "powersgd", "--static-graph"])
     with pytest.raises(UserError, match="powersgd with --amp fp16"):
         parse(["train", "--ddp-comm-hook", "powersgd", "--amp", "fp16"])
+
+
+@pytest.mark.parametrize(
+    "flags", [["--lr", "nan"], ["--dist-timeout", "inf"], ["--crop-scale", "0.1", "nan"]]
+)
+def test_a_number_that_is_not_finite_is_refused(flags):
+    with pytest.raises(UserError, match=f"{flags[0]} must be a finite number, got"):
+        parse(["train", *flags])

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import subprocess
 import sys
@@ -92,8 +93,10 @@ class PlanRequest(MemorySettings):
             raise UserError(
                 "--amp auto: plan needs the precision the run will take: --amp none, bf16 or fp16"
             )
-        if self.device_memory is not None and self.device_memory <= 0:
-            raise UserError(f"--device-memory must be positive (GiB), got {self.device_memory}")
+        if self.device_memory is not None and not 0 < self.device_memory < math.inf:
+            raise UserError(
+                f"--device-memory must be a positive number (GiB), got {self.device_memory}"
+            )
         config = Config(
             arch=self.arch, batch_size=self.batch_size, image_size=self.image_size, amp=self.amp,
             strategy="fsdp",  # which takes all of MEMORY_SETTINGS; ddp ignores its own
