@@ -375,7 +375,7 @@ def _prepare(
         config = resumed(config, saved.get("config"))
         check_position(saved, config)
         config.check_batch_divides(env.world_size)
-    if config.tensorboard:
+    if config.tensorboard and not config.evaluate:  # eval writes no events
         require_tensorboard()  # on every rank, so that every rank stops when it is missing
     loaders = build_data(config, env, _data_root(config, env), seed, leave_out)
     model = build_model(

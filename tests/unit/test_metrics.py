@@ -57,8 +57,10 @@ def test_resuming_drops_the_records_logged_after_the_checkpoint(tmp_path):
     ]
 
 
-def test_another_programs_metrics_file_is_refused_not_rewritten(tmp_path):
-    theirs = '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+@pytest.mark.parametrize(
+    "theirs", ['{"step": 1, "loss": 2.0}\n{"step": 2}\n', '{"step": 1}\n', '{"step": 1}', "x,y\n"]
+)
+def test_another_programs_metrics_file_is_refused_not_rewritten(tmp_path, theirs):
     log = MetricsLog(tmp_path, enabled=True)
     log.path.write_text(theirs)
     with pytest.raises(UserError, match=r"metrics.jsonl: line 1 is not a ddptrain record"):

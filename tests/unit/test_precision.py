@@ -5,10 +5,11 @@ import torch
 from torch import nn
 
 from ddptrain.config import Config
+from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.model import precision
 from ddptrain.model.build import build_model
-from ddptrain.model.parallelize import ReplicaAutocast, unwrap
+from ddptrain.model.parallelize import ReplicaAutocast, unwrap, wrap
 from ddptrain.model.precision import (
     Precision,
     auto_amp,
@@ -197,4 +198,13 @@ def test_each_dataparallel_replica_computes_in_the_runs_dtype():
     thread.start()
     thread.join()
     assert seen == [torch.float16, torch.bfloat16]
-    assert unwrap(nn.DataParallel(wrapped)) is wrapped.module  # no prefix in checkpoints
+
+
+def test_one_process_on_several_gpus_wraps_its_replicas_in_the_runs_autocast(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    gpu = DistEnv(0, 1, 0, 1, torch.device("cuda", 0))
+    model = nn.Linear(2, 2)
+    with pytest.warns(UserWarning, match="using DataParallel"):
+        wrapped = wrap(model, gpu, amp_dtype=torch.bfloat16, place=lambda m: m)
+    assert isinstance(wrapped, nn.DataParallel) and wrapped.module.dtype == torch.bfloat16
+    assert unwrap(wrapped) is model  # no prefix in checkpoints

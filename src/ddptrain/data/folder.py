@@ -32,9 +32,11 @@ def load_rgb(path: str, max_pixels: int | None = MAX_IMAGE_PIXELS) -> torch.Tens
     """An image file as a uint8 RGB tensor (3, H, W); names the file when it cannot be decoded,
     or when its header declares more than max_pixels pixels (a decompression bomb).
 
-    torchvision.io decodes JPEG, PNG, WebP and GIF straight into a tensor (the same libjpeg-turbo
-    pixels as PIL, without PIL's image object and conversions); other formats (BMP, TIFF, PPM)
-    and files it refuses go through PIL, whose error names what is wrong.
+    torchvision.io decodes JPEG, PNG and WebP straight into a tensor (the same libjpeg-turbo
+    pixels as PIL, without PIL's image object and conversions); GIF, other formats (BMP, TIFF,
+    PPM) and files it refuses go through PIL, whose error names what is wrong. GIF through PIL:
+    torchvision.io decodes every frame of an animated one, which the size check (of one frame)
+    would not bound.
     """
     try:
         return _read_rgb(path, max_pixels)
@@ -60,14 +62,14 @@ def _read_rgb(path: str, max_pixels: int | None) -> torch.Tensor:
     except OSError as err:
         raise _Unreadable(err.strerror) from None
     _check_size(encoded, max_pixels)
+    if encoded.startswith((b"GIF87a", b"GIF89a")):
+        return _decode_with_pil(encoded)  # its first frame only
     try:
         image = decode_image(
             torch.frombuffer(bytearray(encoded), dtype=torch.uint8), mode=ImageReadMode.RGB
         )
     except (RuntimeError, ValueError):  # a format torchvision does not read, or a bad file
         return _decode_with_pil(encoded)
-    if image.ndim == 4:  # an animated GIF: its first frame, as PIL gives
-        image = image[0]
     if image.dtype != torch.uint8:  # 16-bit PNG
         image = F.to_dtype(image, torch.uint8, scale=True)
     return image
@@ -122,7 +124,8 @@ class ImageFolder(datasets.ImageFolder):
         prefix = os.path.join(directory, "")
 
         def is_image(path: str) -> bool:
-            hidden = os.sep + "." in os.sep + path[len(prefix) :]  # cheaper than relpath
+            below = path[len(prefix) :]  # class/.../file, without relpath's cost per file
+            hidden = below.startswith(".") or os.sep + "." in below
             return not hidden and has_file_allowed_extension(path, EXTENSIONS)
 
         try:

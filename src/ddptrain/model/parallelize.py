@@ -196,7 +196,6 @@ def checkpoint_parts(model: nn.Module, env: DistEnv) -> dict:
     return {} if state is None else {"powersgd": comm_hooks.PowerSGDCheckpoint(state, env)}
 
 
-@contextlib.contextmanager
 def forget_dropped_step(model: nn.Module) -> None:
     """After a step dropped on every rank for non-finite gradients (--nonfinite skip): what the
     gradient communication kept of them (PowerSGD's error feedback) starts over."""
@@ -205,6 +204,7 @@ def forget_dropped_step(model: nn.Module) -> None:
         state.forget()
 
 
+@contextlib.contextmanager
 def no_gradient_sync(model: nn.Module):
     """Backward without reducing gradients over the ranks: for all but the last micro-batch of
     an accumulated step, whose backward then reduces the sum once."""

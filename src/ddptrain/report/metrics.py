@@ -112,19 +112,22 @@ class MetricsLog:
         if not (self.enabled and self.path.exists()):
             return
         lines = self.path.read_bytes().splitlines(keepends=True)
-        epochs = [_epoch_of(line) for line in lines]
-        if None in epochs[:-1]:  # a crash mid-append tears the last line only
+        # A crash mid-append leaves a last line without its newline; every record begins so.
+        torn = lines and not lines[-1].endswith(b"\n") and lines[-1].startswith(b'{"split": ')
+        whole = lines[:-1] if torn else lines
+        epochs = [_epoch_of(line) for line in whole]
+        if None in epochs:
             raise UserError(
                 f"{self.path}: line {epochs.index(None) + 1} is not a ddptrain record: the "
                 "--out-dir holds another program's file; move it away or choose another --out-dir"
             )
-        kept = [line for line, e in zip(lines, epochs, strict=True) if e is not None and e <= epoch]
+        kept = [line for line, e in zip(whole, epochs, strict=True) if e <= epoch]
         if len(kept) < len(lines):
             atomic_write(self.path, b"".join(kept))
 
 
 def _epoch_of(line: bytes) -> int | None:
-    """The epoch of a record, or None for a line that is none (torn by a crash mid-append)."""
+    """The epoch of a ddptrain record, or None for a line that is not one."""
     try:
         record = json.loads(line)
         return int(record["epoch"]) if "split" in record else None
