@@ -34,10 +34,10 @@ class Reporter:
         self.sinks: list = []
         if self.main and out_dir is not None:
             self.sinks = [MetricsLog(out_dir, True)]
-        if self.main and out_dir is not None and not evaluating:
-            self.sinks.append(SummaryCsv(out_dir, True))
-            if tensorboard:
-                self.sinks.append(TensorBoardSink(out_dir, True, after_step=resumed_step))
+            if not evaluating:
+                self.sinks.append(SummaryCsv(out_dir, True))
+                if tensorboard:
+                    self.sinks.append(TensorBoardSink(out_dir, True, after_step=resumed_step))
 
     def info(self, line: str) -> None:
         if self.main:
