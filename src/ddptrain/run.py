@@ -119,7 +119,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         env, lambda: _prepare(config, env, out_dir, seed, resume, leave_out)
     )
     train_samples = loaders.train_sampler.num_samples if loaders.train_sampler else 0
-    position = TrainState.from_checkpoint(saved or {"epoch": config.start_epoch})
+    position = _start(saved, config, loaders)
     check_same(
         env,
         {
@@ -166,7 +166,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         example=None if config.evaluate else _example(config, precision, env.device),
         place=lambda built: precision.place(built, env.device),
     )
-    steps_per_epoch = loaders.train_sampler.steps if loaders.train_sampler else 1
+    steps_per_epoch = loaders.steps_per_epoch
     optimizer, scheduler = build_optimizer(model, config, steps_per_epoch)
     if env.is_main and not config.evaluate:  # before the first save, while a warning helps
         no_room = room_warning(
@@ -198,7 +198,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         sharded_format=config.checkpoint_format == "sharded",
         mark=phases.within_step,
     )
-    state = _restore(checkpointer, saved, scheduler, config, steps_per_epoch)
+    state = _restore(checkpointer, saved, scheduler, position)
     if ema is not None and saved is not None and "model_ema" not in saved:
         ema.start_from(unwrap(model))  # --model-ema new on resume: not from the built weights
     if precision.compile:
@@ -300,12 +300,22 @@ def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
     return line
 
 
-def _restore(checkpointer, saved, scheduler, config: Config, steps_per_epoch: int) -> TrainState:
-    """The checkpoint's state in every part, or a fresh state. A collective."""
+def _start(saved: dict | None, config: Config, loaders: Data) -> TrainState:
+    """Where this run starts: its checkpoint's position, else after the epochs --start-epoch
+    says are done, and their steps (checkpoint numbers, the schedule, the EMA warmup)."""
+    if saved is not None:
+        return TrainState.from_checkpoint(saved)
+    return TrainState(
+        epoch=config.start_epoch, global_step=config.start_epoch * loaders.steps_per_epoch
+    )
+
+
+def _restore(checkpointer, saved, scheduler, start: TrainState) -> TrainState:
+    """The checkpoint's state in every part, or `start` (_start) for a fresh run. A
+    collective."""
     if saved is None:
-        done = config.start_epoch * steps_per_epoch  # the steps of the epochs said to be done
-        fast_forward(scheduler, done)
-        return TrainState(epoch=config.start_epoch, global_step=done)
+        fast_forward(scheduler, start.global_step)
+        return start
     # Checkpoints of format 1 stepped their schedule per epoch: replay the per-step one instead.
     per_epoch_schedule = int(saved.get("format_version", 1)) < 2
     built = settings(scheduler.optimizer)

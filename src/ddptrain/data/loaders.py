@@ -44,6 +44,11 @@ class Data:
     def num_classes(self) -> int:
         return len(self.class_to_idx)
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in a training epoch (1 without training data: --evaluate)."""
+        return self.train_sampler.steps if self.train_sampler else 1
+
 
 def _datasets(config: Config, data_root: Path | None, leave_out: frozenset[str]):
     train_transform, val_transform = build_train_transform(config), build_val_transform(config)
