@@ -42,9 +42,12 @@ def _entry(fn, rank, world, port, results, args, log):
 
 def _as_arrays(value):
     """A tensor would travel as shared memory that dies with this process (its exit then raced
-    the queue's feeder: "Resource deadlock avoided"): send arrays, in tuples and lists too."""
+    the queue's feeder: "Resource deadlock avoided", or "Connection reset by peer" when the
+    parent asked for the memory): send arrays, in tuples, lists and dicts too."""
     if isinstance(value, torch.Tensor):
         return value.detach().numpy()
+    if isinstance(value, dict):
+        return {key: _as_arrays(item) for key, item in value.items()}
     if isinstance(value, (tuple, list)):
         return type(value)(map(_as_arrays, value))
     return value
@@ -53,6 +56,8 @@ def _as_arrays(value):
 def _as_tensors(value):
     if hasattr(value, "dtype") and hasattr(value, "shape"):
         return torch.from_numpy(value)
+    if isinstance(value, dict):
+        return {key: _as_tensors(item) for key, item in value.items()}
     if isinstance(value, (tuple, list)):
         return type(value)(map(_as_tensors, value))
     return value
