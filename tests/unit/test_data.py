@@ -58,6 +58,24 @@ def test_empty_class_folder_is_named(tree):
         build(tree)
 
 
+def test_a_folder_that_cannot_be_read_is_named_not_passed_over(tree, monkeypatch):
+    """torchvision's own walk skipped it: its images were left out of the run in silence.
+    Root reads any folder whatever its mode, so the denial is made at os.scandir."""
+    hidden_away = tree / "train" / "bar" / "more"
+    hidden_away.mkdir()
+    shutil.copy(next((tree / "train" / "bar").glob("*.png")), hidden_away / "x.png")
+    scandir = os.scandir
+
+    def denied_below_bar(path="."):
+        if os.fspath(path) == str(hidden_away):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", denied_below_bar)
+    with pytest.raises(UserError, match=f"Permission denied: '{hidden_away}'"):
+        folder.image_folder(tree / "train", None)
+
+
 def test_no_class_folders(tree):
     shutil.rmtree(tree / "train")
     (tree / "train").mkdir()

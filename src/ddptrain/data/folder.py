@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from PIL import Image, UnidentifiedImageError
 from torchvision import datasets
-from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as F
 
@@ -121,6 +121,9 @@ class ImageFolder(datasets.ImageFolder):
 
     @staticmethod
     def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, **kwargs):
+        """Each class folder's image files, walked as torchvision walks them (sorted, links
+        followed), but a folder that cannot be read is an error: torchvision's walk passes over
+        it in silence, leaving its images out of the run or calling its class empty."""
         prefix = os.path.join(directory, "")
 
         def is_image(path: str) -> bool:
@@ -128,10 +131,23 @@ class ImageFolder(datasets.ImageFolder):
             hidden = below.startswith(".") or os.sep + "." in below
             return not hidden and has_file_allowed_extension(path, EXTENSIONS)
 
-        try:
-            return make_dataset(directory, class_to_idx, None, is_image, **kwargs)
-        except FileNotFoundError as err:  # torchvision names the extensions only for its own
-            raise FileNotFoundError(f"{err}Image files end in {', '.join(EXTENSIONS)}") from None
+        samples = []
+        for name, index in sorted(class_to_idx.items()):
+            class_dir = os.path.join(directory, name)
+            found = []
+            for folder, _, files in sorted(os.walk(class_dir, onerror=_raise, followlinks=True)):
+                paths = (os.path.join(folder, file) for file in sorted(files))
+                found += [(path, index) for path in paths if is_image(path)]
+            if not found:
+                raise FileNotFoundError(
+                    f"no images in {class_dir}. Image files end in {', '.join(EXTENSIONS)}"
+                )
+            samples += found
+        return samples
+
+
+def _raise(err: OSError) -> None:
+    raise err
 
 
 def image_folder(root: Path, transform, max_pixels: int | None = MAX_IMAGE_PIXELS) -> ImageFolder:

@@ -331,7 +331,9 @@ def _check_finite(checkpoint: dict, state: TrainState) -> None:
     if not files.weights_finite(checkpoint):
         raise UserError(
             f"the weights are not finite at global step {state.global_step}: not saved (the "
-            "previous checkpoint stays the newest); lower --lr, or see --nonfinite"
+            "previous checkpoint stays the newest); lower --lr or set --clip-grad-norm "
+            "(--nonfinite skip drops the steps whose gradients are not finite, not an update "
+            "that overflows)"
         )
 
 
