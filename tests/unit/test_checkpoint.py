@@ -237,6 +237,33 @@ def test_stale_temp_files_are_removed_and_never_chosen(tmp_path):
     assert (tmp_path / "checkpoint-000000004.pt").exists()
 
 
+def test_only_ddptrains_own_temp_names_are_removed(tmp_path):
+    """The out-dir may be the user's working directory (the default `.`): a glob on
+    `.checkpoint*` removed their `.checkpoints/` folder with everything in it."""
+    ours = [
+        ".checkpoint-000000008.pt.k2j_x9aq.tmp",
+        ".model_best.pt.abc123.tmp",
+        ".config.json.abc123.tmp",
+        ".metrics.jsonl.abc123.tmp",
+        ".checkpoint.pt.4242.link",
+        ".checkpoint.dcp.4242.link",
+        ".model_best.ema.tmp",
+    ]
+    folders = [".checkpoint-000000008.dcp.tmp", ".model_best.dcp.tmp"]
+    users = [".checkpoint_notes", ".config.json.bak", ".model_best.pt.tmp", "x.tmp"]
+    for name in ours + users:
+        (tmp_path / name).write_text("x")
+    (tmp_path / ".checkpoints" / "old").mkdir(parents=True)
+    (tmp_path / ".checkpoints" / "old" / "weights.txt").write_text("keep")
+    for name in folders:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__0_0.distcp").write_text("x")
+    files.remove_stale_temp_files(tmp_path)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([*users, ".checkpoints"])
+    assert (tmp_path / ".checkpoints" / "old" / "weights.txt").read_text() == "keep"
+
+
 def test_incompatible_checkpoints_are_named(tmp_path):
     saved = {"arch": "resnet18", "class_to_idx": CLASSES}
     check_compatible(saved, tmp_path, "resnet18", CLASSES)

@@ -165,15 +165,18 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-# Temp files of every write into the out-dir (atomic_write's `.NAME.*.tmp`, _link_latest's
-# `.checkpoint.pt.PID.link`); the out-dir may be a user's working directory, so only these names.
-# Sharded saves leave `.checkpoint-<step>.dcp.tmp` folders and `.model_best.dcp.tmp|old` copies.
-STALE_TEMP_FILES = (
-    ".checkpoint*",
-    f".{BEST}.*.tmp",
-    ".model_best.dcp.*",
-    ".config.json.*.tmp",
-    ".metrics.jsonl.*.tmp",
+# Temp names of every write into the out-dir, in full: the out-dir may be a user's working
+# directory, whose own `.checkpoints/` folder or `.config.json.bak` must stay. atomic_write's
+# `.NAME.XXXXXXXX.tmp` (mkstemp's random part), the `latest` links' `.checkpoint.pt.PID.link`,
+# sharded saves' `.checkpoint-<step>.dcp.tmp` folders, `.model_best.dcp.tmp` or `.ema.tmp`, and
+# the `.NAME.dcp.old` that replaced a folder (sharded._swap_in).
+_OWN_FILES = r"checkpoint-\d{9}\.pt|model_best\.pt|config\.json|metrics\.jsonl"
+STALE_TEMP_NAME = re.compile(
+    rf"\.(?:{_OWN_FILES})\.\w+\.tmp"
+    r"|\.checkpoint\.(?:pt|dcp)\.\d+\.link"
+    r"|\.checkpoint-\d{9}\.dcp\.tmp"
+    r"|\.model_best\.(?:dcp|ema)\.tmp"
+    r"|\.(?:model_best|checkpoint-\d{9})\.dcp\.old"  # set aside, its replacement in place
 )
 
 
@@ -185,8 +188,8 @@ def remove_stale_temp_files(out_dir: Path) -> None:
         original = out_dir / aside.name.removeprefix(".").removesuffix(".old")
         if not original.exists():
             os.replace(aside, original)
-    for pattern in STALE_TEMP_FILES:
-        for tmp in out_dir.glob(pattern):
+    for tmp in out_dir.glob(".*"):
+        if STALE_TEMP_NAME.fullmatch(tmp.name):
             remove(tmp)
 
 
