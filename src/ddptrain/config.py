@@ -11,6 +11,7 @@ Runtime facts (rank, device, per-rank batch) live in `DistEnv`, never here.
 import dataclasses
 import functools
 import math
+import urllib.parse
 from dataclasses import dataclass, field
 
 from ddptrain.errors import UserError
@@ -384,6 +385,8 @@ class Config:
             raise UserError(
                 f"--dist-url must start with env://, tcp:// or file://: {self.dist_url}"
             )
+        if self.dist_url.startswith("tcp://") and not _host_and_port(self.dist_url):
+            raise UserError(f"--dist-url {self.dist_url}: give tcp://HOST:PORT, PORT a number")
         if self.world_size == 0 or self.world_size < -1:
             raise UserError(f"--world-size must be at least 1, got {self.world_size}")
         if self.world_size > 0 and self.rank >= self.world_size:
@@ -511,3 +514,11 @@ def settings() -> tuple[dataclasses.Field, ...]:
 def flag_name(name: str) -> str:
     """The long flag of a field: `weight_decay` -> `--weight-decay`."""
     return "--" + name.replace("_", "-")
+
+
+def _host_and_port(url: str) -> bool:
+    parsed = urllib.parse.urlparse(url)
+    try:
+        return bool(parsed.hostname) and parsed.port is not None
+    except ValueError:  # a port that is not a number, or out of range
+        return False

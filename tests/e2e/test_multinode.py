@@ -65,9 +65,10 @@ def test_two_srun_tasks_equal_one_agent_with_two_ranks(tiny_data, tmp_path, one_
         env_with(
             SLURM_PROCID=str(rank),
             SLURM_LOCALID=str(rank),
-            SLURM_NTASKS="2",
-            SLURM_TASKS_PER_NODE="2",
-            SLURM_JOB_NODELIST="localhost",
+            SLURM_STEP_NUM_TASKS="2",
+            SLURM_STEP_TASKS_PER_NODE="2",
+            SLURM_STEP_NODELIST="localhost",
+            SLURM_STEP_ID="0",
             SLURM_JOB_ID="1234",
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.config import Config
-from ddptrain.dist import env
+from ddptrain.dist import env, launch
 from ddptrain.dist.env import (
     SpawnSlot,
     _backend,
@@ -30,6 +30,10 @@ LAUNCHER_VARS = (
     "SLURM_PROCID",
     "SLURM_LOCALID",
     "SLURM_NTASKS",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_STEP_NODELIST",
+    "SLURM_STEP_ID",
     "SLURM_NTASKS_PER_NODE",
     "SLURM_TASKS_PER_NODE",
     "SLURM_JOB_NODELIST",
@@ -115,17 +119,49 @@ def test_backend_follows_the_device():
 def test_gpu_pin_is_refused_with_several_local_ranks(monkeypatch):
     for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2").items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(UserError, match="--gpu 0"):
+    with pytest.raises(UserError, match="--gpu 0 would put all 2 processes"):
         init_distributed(Config(gpu=0))
+
+
+def test_a_process_started_on_its_own_may_pin_its_device(monkeypatch):
+    """The classic example's one process per invocation, each with its own --gpu: only the
+    device itself can refuse it (on a machine without one, here)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    config = Config(gpu=1, world_size=2, rank=1, dist_url=f"tcp://127.0.0.1:{free_port()}")
+    monkeypatch.setattr(env, "_tcp_store", lambda *args: None)  # no rank 0 to meet
+    with pytest.raises(UserError, match="--gpu 1: no accelerator"):
+        init_distributed(config)
+
+
+def test_a_gpu_pin_without_an_accelerator_is_refused():
+    if torch.accelerator.current_accelerator(check_available=True) is None:
+        with pytest.raises(UserError, match="--gpu 0: no accelerator is available here"):
+            _device(Config(gpu=0), 0)
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1"),  # torchrun
+        dict(SLURM_PROCID="1", SLURM_LOCALID="1", SLURM_STEP_NUM_TASKS="2"),  # srun
+    ],
+)
+def test_a_launched_process_given_a_tcp_url_is_refused_not_trained_alone(monkeypatch, launcher):
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError, match="drop --dist-url"):
+        _placement(Config(dist_url="tcp://127.0.0.1:5"), None)
+    both = Config(dist_url="tcp://127.0.0.1:5", world_size=2, rank=1)  # said in full: kept
+    assert _placement(both, None)[:2] == (1, 2)
 
 
 def test_srun_tasks_meet_on_the_first_host_of_the_nodelist(monkeypatch):
     srun = dict(
         SLURM_PROCID="5",
         SLURM_LOCALID="1",
-        SLURM_NTASKS="8",
-        SLURM_NTASKS_PER_NODE="4",
-        SLURM_JOB_NODELIST="gpu[07-08]",
+        SLURM_STEP_NUM_TASKS="8",
+        SLURM_STEP_TASKS_PER_NODE="4(x2)",
+        SLURM_STEP_NODELIST="gpu[07-08]",
         SLURM_JOB_ID="4242",
     )
     for name, value in srun.items():
@@ -167,3 +203,17 @@ def test_restarts_across_nodes_are_warned_of_on_rank_0_only(monkeypatch, capsys)
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
     assert env._restart_safe_store("env://", timeout, 0, said.append) is None
     assert len(said) == 1 and capsys.readouterr() == ("", "")
+
+
+def test_multiprocessing_distributed_reads_nodes_as_the_classic_example_does(monkeypatch):
+    """Under env://, WORLD_SIZE and RANK are the node count and this node's rank, when
+    --world-size and --rank do not say them (a scheduler that exports them for each node)."""
+    assert launch._nodes(Config()) == (1, 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert launch._nodes(Config()) == (2, 1)
+    assert launch._nodes(Config(world_size=3, rank=2)) == (3, 2)  # the flags win
+    assert launch._nodes(Config(dist_url="tcp://h:5")) == (1, 0)  # a URL of its own: flags only
+    monkeypatch.delenv("RANK")
+    with pytest.raises(UserError, match="needs --rank"):
+        launch._nodes(Config())

@@ -70,6 +70,13 @@ def _placement(config: Config, slot: SpawnSlot | None) -> tuple[int, int, int, i
     if config.dist_url == "env://" and slurm.started_by_srun(env):  # srun, no torchrun
         task = slurm.placement(env)
         return task.rank, task.world_size, task.local_rank, task.local_world_size, task.url
+    started_with_others = _launcher(env)
+    if started_with_others and config.world_size < 2:
+        # Each process would read only its own flags and train alone, all on device 0.
+        raise UserError(
+            f"--dist-url {config.dist_url}: {started_with_others} started this process with "
+            "others and placed it; drop --dist-url (env://, the default, takes that placement)"
+        )
     if config.world_size > 1:  # one process per invocation, e.g. --dist-url tcp://
         if config.rank < 0:
             raise UserError(f"--world-size {config.world_size} needs --rank of this process")
@@ -83,6 +90,16 @@ def _placement(config: Config, slot: SpawnSlot | None) -> tuple[int, int, int, i
         local_world = int(env.get("LOCAL_WORLD_SIZE", min(config.world_size, devices) or 1))
         return config.rank, config.world_size, local_rank, local_world, config.dist_url
     return 0, 1, 0, 1, config.dist_url
+
+
+def _launcher(env) -> str | None:
+    """The launcher that started this process together with others, all with the same flags,
+    and placed each (torchrun, torch.distributed.launch, srun), if one did."""
+    if int(env.get("WORLD_SIZE", 1)) > 1 and "RANK" in env:
+        return "a launcher (WORLD_SIZE and RANK are set)"
+    if slurm.started_by_srun(env):
+        return "srun"
+    return None
 
 
 def local_index(
@@ -118,6 +135,8 @@ def _node_device_count(config: Config) -> int:
 
 def _device(config: Config, local_rank: int) -> torch.device:
     kind = _device_kind(config)
+    if kind == "cpu" and config.gpu is not None:
+        raise UserError(f"--gpu {config.gpu}: no accelerator is available here")
     if kind == "cpu":
         return torch.device("cpu")
     module = getattr(torch, kind)
@@ -242,7 +261,8 @@ def init_distributed(
     # meet in a store first, where a rank that fails before the group forms says so.
     meeting = _tcp_store(url, rank, world, timeout) if world > 1 else None
     try:
-        if config.gpu is not None and local_world > 1:
+        # Processes a launcher started share the flags; one started on its own may pin its own.
+        if config.gpu is not None and local_world > 1 and (slot or _launcher(os.environ)):
             raise UserError(
                 f"--gpu {config.gpu} would put all {local_world} processes of this node on one "
                 "device; drop it: each rank takes the device of its local rank"

@@ -39,10 +39,31 @@ def _rendezvous(config: Config, nodes: int) -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 
 
+def _nodes(config: Config) -> tuple[int, int]:
+    """(nodes, this node's rank): --world-size and --rank, or under env:// without them
+    WORLD_SIZE and RANK, which the classic example reads there as the same two numbers."""
+    nodes, node_rank = config.world_size, config.rank
+    if config.dist_url == "env://":
+        nodes = nodes if nodes > 0 else int(os.environ.get("WORLD_SIZE", 1))
+        node_rank = node_rank if node_rank >= 0 else int(os.environ.get("RANK", -1))
+    nodes = max(nodes, 1)
+    if nodes > 1 and not 0 <= node_rank < nodes:
+        raise UserError(
+            f"--multiprocessing-distributed with --world-size {nodes} (nodes) needs --rank, "
+            "this node's rank, from 0 to the number of nodes - 1"
+        )
+    return nodes, max(node_rank, 0)
+
+
 def _worker(
-    local_rank: int, train: Callable, config: Config, nproc: int, nodes: int, url: str
+    local_rank: int,
+    train: Callable,
+    config: Config,
+    nproc: int,
+    nodes: tuple[int, int],
+    url: str,
 ) -> None:
-    slot = SpawnSlot(local_rank, nproc, max(config.rank, 0), nodes, url)  # rank -1: one node
+    slot = SpawnSlot(local_rank, nproc, nodes[1], nodes[0], url)
     code = report_errors(lambda: train(config, slot))
     if code:
         sys.exit(code)
@@ -56,16 +77,11 @@ def spawn(config: Config, train: Callable[[Config, SpawnSlot], object]) -> int:
     When one process fails, mp.spawn ends the others, so no rank is left waiting.
     """
     nproc = config.nproc_per_node or _default_nproc(config)
-    nodes = config.world_size if config.world_size > 0 else 1
-    if nodes > 1 and config.rank < 0:
-        raise UserError(
-            f"--multiprocessing-distributed with --world-size {nodes} (nodes) needs --rank, "
-            "this node's rank"
-        )
+    nodes, node_rank = _nodes(config)
     config.check_batch_divides(nproc * nodes)
     url = _rendezvous(config, nodes)
     try:
-        mp.spawn(_worker, args=(train, config, nproc, nodes, url), nprocs=nproc)
+        mp.spawn(_worker, args=(train, config, nproc, (nodes, node_rank), url), nprocs=nproc)
     except mp.ProcessExitedException as err:
         return err.exit_code if err.exit_code > 0 else 1
     return 0
