@@ -60,6 +60,7 @@ from ddptrain.state.files import (
 )
 from ddptrain.state.lock import lock_out_dir, unlock_out_dir
 from ddptrain.state.resume import (
+    check_continuable,
     check_out_dir,
     check_position,
     check_trainable,
@@ -401,6 +402,7 @@ def _prepare(
         if not config.evaluate:  # evaluating on other data is fine
             check_same_data(saved, loaders.facts, resume)
             check_trainable(saved, resume)
+            check_continuable(saved, config, resume)
     precision = resolve_precision(config, None, model, env.device)
     done = TrainState.from_checkpoint(saved or {"epoch": config.start_epoch})
     reporter = Reporter(

@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from ddptrain.state.checkpointer import (
     check_fits,
     training_parts,
 )
-from ddptrain.state.resume import roll_back
+from ddptrain.state.resume import check_continuable, roll_back
 from ddptrain.train.optim import build_optimizer
 
 CLASSES = {"a": 0, "b": 1, "c": 2}
@@ -308,3 +309,19 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_named_before_loading(tmp_pa
     del shorter.layer4
     with pytest.raises(UserError, match="unexpected layer4"):
         check_fits(saved, tmp_path, shorter)
+
+
+def test_another_optimizer_or_schedule_kind_on_resume_is_one_line(tmp_path):
+    """Their saved states load only into their own kinds: --opt adamw on an sgd checkpoint
+    ended in a KeyError inside the load, a warmup added in another."""
+    saved = {"config": Config(lr_scheduler="cosine").to_dict()}
+    check_continuable(saved, Config(lr_scheduler="cosine", epochs=9, lr=0.5), tmp_path)  # fine
+    for changed, flag in [
+        (dict(opt="adamw"), "--opt adamw (trained with sgd)"),
+        (dict(opt="sgd-nesterov"), "--opt sgd-nesterov (trained with sgd)"),
+        (dict(lr_scheduler="step"), "--lr-scheduler step (trained with cosine)"),
+        (dict(lr_warmup_epochs=1), "--lr-warmup-epochs 1 (trained with 0)"),
+    ]:
+        config = Config(**{"lr_scheduler": "cosine", **changed})
+        with pytest.raises(UserError, match=re.escape(flag) + ".*--pretrained"):
+            check_continuable(saved, config, tmp_path)

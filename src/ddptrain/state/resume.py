@@ -5,7 +5,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ddptrain.config import Config
+from ddptrain.config import Config, flag_name
 from ddptrain.errors import UserError
 from ddptrain.state import files, sharded
 from ddptrain.state.files import (
@@ -115,6 +115,29 @@ def check_position(saved: dict, config: Config) -> None:
         raise UserError(
             f"--batch-size {config.batch_size}: the checkpoint stopped mid-epoch with global "
             f"batch {saved_batch}; resume with -b {saved_batch} (any number of ranks)"
+        )
+
+
+def check_continuable(saved: dict, config: Config, path: Path) -> None:
+    """The saved optimizer and schedule states load only into the kinds they were saved from:
+    another --opt or --lr-scheduler, or a warmup added or dropped, would fail inside the load
+    (or, from sgd to sgd-nesterov, be undone by it without a word)."""
+    was = saved.get("config") or {}
+    changed = [
+        f"{flag_name(name)} {getattr(config, name)} (trained with {was[name]})"
+        for name in ("opt", "lr_scheduler")
+        if name in was and was[name] != getattr(config, name)
+    ]
+    if "lr_warmup_epochs" in was and (was["lr_warmup_epochs"] > 0) != (config.lr_warmup_epochs > 0):
+        changed.append(
+            f"--lr-warmup-epochs {config.lr_warmup_epochs:g} (trained with "
+            f"{was['lr_warmup_epochs']:g})"
+        )
+    if changed:
+        raise UserError(
+            f"--resume: {path} cannot continue under {'; '.join(changed)}: its optimizer and "
+            f"schedule go on as they were; to change them, start a new run from its weights "
+            f"with --pretrained {path}"
         )
 
 
