@@ -1,3 +1,4 @@
+import json
 import os
 import re
 
@@ -19,7 +20,7 @@ from ddptrain.state.checkpointer import (
     check_fits,
     training_parts,
 )
-from ddptrain.state.resume import check_continuable, roll_back
+from ddptrain.state.resume import check_continuable, check_out_dir, roll_back
 from ddptrain.train.optim import build_optimizer
 
 CLASSES = {"a": 0, "b": 1, "c": 2}
@@ -325,3 +326,15 @@ def test_another_optimizer_or_schedule_kind_on_resume_is_one_line(tmp_path):
         config = Config(**{"lr_scheduler": "cosine", **changed})
         with pytest.raises(UserError, match=re.escape(flag) + ".*--pretrained"):
             check_continuable(saved, config, tmp_path)
+
+
+def test_a_config_json_that_is_not_ddptrains_is_refused_not_overwritten(tmp_path):
+    """The default --out-dir is `.`: a project's own config.json was replaced at the first save."""
+    theirs = tmp_path / "config.json"
+    for text in ('{"model": "unet", "lr": 3}', "not json", "[1, 2]"):
+        theirs.write_text(text)
+        with pytest.raises(UserError, match="config.json there is not ddptrain's"):
+            check_out_dir(tmp_path, None, evaluate=False, auto=False)
+        assert theirs.read_text() == text
+    theirs.write_text(json.dumps({**Config().to_dict(), "resolved": {"world_size": 1}}))
+    check_out_dir(tmp_path, None, evaluate=False, auto=True)  # a run's own: resumed

@@ -1,6 +1,7 @@
 """What a run starts from, checked before anything is built: the out-dir it writes into and the
 checkpoint it resumes (read, and fit to continue this run)."""
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,7 @@ def check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool, auto: bool
         raise UserError(f"--out-dir {out_dir} is not writable")
     if evaluate:
         return
+    _check_own_config(out_dir / "config.json")
     checkpoints = numbered(out_dir)
     earlier = [p for p in [out_dir / LATEST, *checkpoints] if p.exists()]
     continues = resume is not None and any(p.samefile(resume) for p in earlier)
@@ -105,6 +107,22 @@ def load_resumed(path: Path) -> dict:
         return load(path, mmap=True)
     except UserError as err:
         raise UserError(f"--resume: {err}") from None
+
+
+def _check_own_config(path: Path) -> None:
+    """config.json is rewritten at every save: one another program left there (the out-dir
+    may be the user's working directory) is refused, as a foreign metrics.jsonl is."""
+    if not path.exists():
+        return
+    try:
+        record = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        record = None
+    if not (isinstance(record, dict) and "resolved" in record):
+        raise UserError(
+            f"--out-dir {path.parent}: {path.name} there is not ddptrain's (it has no "
+            "'resolved' entry) and would be overwritten: move it away, or choose another --out-dir"
+        )
 
 
 def check_position(saved: dict, config: Config) -> None:
