@@ -101,7 +101,6 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
 
 
 def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
-    config.check_batch_divides(env.world_size)
     out_dir = Path(config.out_dir)
     if not config.evaluate:  # one run per out-dir, before anything reads or writes it
         unlocked = agree(env, lambda: lock_out_dir(out_dir) if env.is_main else None)
@@ -111,7 +110,8 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
     resume = from_rank0(
         env, lambda: find_resume(config.resume, out_dir, config.evaluate, lambda w: warn(env, w))
     )
-    if config.seed is not None:
+    seeded = config.seed is not None
+    if seeded:
         _seed_everything(config.seed, env)
 
     # --verify-images, --bad-images skip
@@ -119,6 +119,8 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
     config, loaders, model, precision, saved, seed, reporter = agree(
         env, lambda: _prepare(config, env, out_dir, seed, resume, leave_out)
     )
+    if config.seed is not None and not seeded:  # the checkpoint's --seed: its kernels too
+        _seed_everything(config.seed, env)
     train_samples = loaders.train_sampler.num_samples if loaders.train_sampler else 0
     position = _start(saved, config, loaders)
     check_same(
@@ -331,6 +333,16 @@ def _restore(checkpointer, saved, scheduler, start: TrainState) -> TrainState:
     return state
 
 
+def _check_same_leave_out(given: Config, merged: Config, resume: Path) -> None:
+    """The images --bad-images skip leaves out are found before the checkpoint is read (every
+    rank takes part), with the flags given: the checkpoint's own choice comes too late."""
+    if merged.bad_images != given.bad_images:
+        raise UserError(
+            f"--resume: {resume} was trained with --bad-images {merged.bad_images}: give it "
+            "again, so that the same images are left out"
+        )
+
+
 def _records(config: Config, env: DistEnv, loaders: Data, precision, seed: int, summary: dict):
     """What every checkpoint carries besides state, and what config.json holds."""
     # The resolved precision, so a resumed run keeps it unless flags say otherwise.
@@ -383,9 +395,10 @@ def _prepare(
     if saved is not None:
         seed = int(saved.get("data_seed", seed))
         # The checkpoint's settings under what the flags and --config gave.
-        config = resumed(config, saved.get("config"))
+        given, config = config, resumed(config, saved.get("config"))
         check_position(saved, config)
-        config.check_batch_divides(env.world_size)
+        _check_same_leave_out(given, config, resume)
+    config.check_batch_divides(env.world_size)  # -b is the checkpoint's unless given
     if config.tensorboard and not config.evaluate:  # eval writes no events
         require_tensorboard()  # on every rank, so that every rank stops when it is missing
     loaders = build_data(config, env, _data_root(config, env), seed, leave_out)

@@ -17,6 +17,7 @@ from cli import (
     training_state,
     val_records,
 )
+from test_user_errors import assert_user_error
 
 CORRUPT, TRUNCATED = "train/bar/00003.png", "val/circle/00001.png"
 
@@ -81,6 +82,9 @@ def test_skip_trains_on_the_good_images_and_resumes_mid_epoch_bitwise(bad_data, 
     assert "2 bad images left out (1 of 24 train, 1 of 15 val)" in result.stdout
     assert training_state(straight)["global_step"] == 4  # 23 images: 2 steps of 8 an epoch
     assert [r["samples"] for r in val_records(straight)] == [14, 14]  # the good val images
+    # Resumed without the flag: one line, not "trained on 23 train images, and DATA has 24".
+    forgot = ddptrain("train", *tiny_args(bad_data, straight), "--resume", "auto", "--epochs", 3)
+    assert_user_error(forgot, "was trained with --bad-images skip: give it again")
 
     # Rank 1 dies before step 4; the restart resumes from step 3, mid-epoch 2.
     kill = {"DDPTRAIN_TEST_KILL": "between:1:4", "DDPTRAIN_TEST_KILL_ONCE": str(marker)}

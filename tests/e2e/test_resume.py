@@ -165,3 +165,14 @@ def test_start_epoch_moves_the_global_step_with_the_schedule(tiny_data, tmp_path
     (train,) = val_records(tmp_path, "train")
     assert (train["epoch"], train["global_step"]) == (2, 6)  # 3 steps an epoch
     assert (tmp_path / "checkpoint-000000006.pt").exists() and state(tmp_path)["global_step"] == 6
+
+
+def test_a_resume_checks_the_checkpoints_batch_over_the_ranks_not_the_default(tiny_data, tmp_path):
+    """Trained with -b 6, resumed on 3 ranks without -b: the divisibility check read the
+    default 256 before the checkpoint's settings were merged, and refused."""
+    out = tmp_path / "run"
+    ok(ddptrain("train", *tiny_args(tiny_data, out), "-b", 6))
+    flags = tiny_args(tiny_data, out)
+    del flags[flags.index("-b") : flags.index("-b") + 2]
+    ok(torchrun(3, "train", *flags, "--epochs", 2, "--resume", "auto"))
+    assert state(out)["epoch"] == 2 and state(out)["config"]["batch_size"] == 6
