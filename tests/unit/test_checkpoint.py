@@ -326,17 +326,25 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_named_before_loading(tmp_pa
 def test_another_optimizer_or_schedule_kind_on_resume_is_one_line(tmp_path):
     """Their saved states load only into their own kinds: --opt adamw on an sgd checkpoint
     ended in a KeyError inside the load, a warmup added in another."""
-    saved = {"config": Config(lr_scheduler="cosine").to_dict()}
-    check_continuable(saved, Config(lr_scheduler="cosine", epochs=9, lr=0.5), tmp_path)  # fine
+    saved = {"config": Config(lr_scheduler="cosine", epochs=2).to_dict()}
+    same = Config(lr_scheduler="cosine", epochs=2, lr=0.5, lr_step_size=9)  # not cosine's shape
+    check_continuable(saved, same, tmp_path)
+    step = {"config": Config(epochs=2, lr_milestones=(1,)).to_dict()}
+    check_continuable(step, Config(epochs=90), tmp_path)  # a step schedule has no length
     for changed, flag in [
         (dict(opt="adamw"), "--opt adamw (trained with sgd)"),
         (dict(opt="sgd-nesterov"), "--opt sgd-nesterov (trained with sgd)"),
         (dict(lr_scheduler="step"), "--lr-scheduler step (trained with cosine)"),
         (dict(lr_warmup_epochs=1), "--lr-warmup-epochs 1 (trained with 0)"),
+        # Undone by the load: a cosine stretched to 4 epochs rose again after its second.
+        (dict(epochs=4), "--epochs 4 (trained with 2)"),
+        (dict(lr_min=0.001), "--lr-min 0.001 (trained with 0)"),
     ]:
-        config = Config(**{"lr_scheduler": "cosine", **changed})
+        config = Config(**{"lr_scheduler": "cosine", "epochs": 2, **changed})
         with pytest.raises(UserError, match=re.escape(flag) + ".*--pretrained"):
             check_continuable(saved, config, tmp_path)
+    with pytest.raises(UserError, match=re.escape("--lr-milestones 1 2 (trained with 1)")):
+        check_continuable(step, Config(lr_scheduler="multistep", lr_milestones=(1, 2)), tmp_path)
 
 
 def test_a_config_json_that_is_not_ddptrains_is_refused_not_overwritten(tmp_path):

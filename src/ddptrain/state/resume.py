@@ -136,27 +136,45 @@ def check_position(saved: dict, config: Config) -> None:
         )
 
 
+# The settings a schedule's saved state holds (train/schedule.py): given anew on resume, they
+# would be overwritten by the load without a word (a cosine stretched by --epochs would rise
+# again after its old end). --lr is not among them: a new one rescales the schedule under way.
+SCHEDULE_SHAPE = {
+    "step": ("lr_step_size", "lr_gamma"),
+    "multistep": ("lr_milestones", "lr_gamma"),
+    "cosine": ("epochs", "lr_min"),
+    "none": (),
+}
+WARMUP_SHAPE = ("lr_warmup_epochs", "lr_warmup_decay")
+
+
 def check_continuable(saved: dict, config: Config, path: Path) -> None:
-    """The saved optimizer and schedule states load only into the kinds they were saved from:
-    another --opt or --lr-scheduler, or a warmup added or dropped, would fail inside the load
-    (or, from sgd to sgd-nesterov, be undone by it without a word)."""
+    """The saved optimizer and schedule states continue only as they were saved: another
+    --opt or --lr-scheduler, or a warmup added or dropped, would fail inside the load (or, from
+    sgd to sgd-nesterov, be undone by it), and a flag that shapes the schedule would be undone
+    by it."""
     was = saved.get("config") or {}
+    names = ["opt", "lr_scheduler", *SCHEDULE_SHAPE.get(config.lr_scheduler, ())]
+    if config.lr_warmup_epochs > 0 or was.get("lr_warmup_epochs", 0) > 0:
+        names += WARMUP_SHAPE
     changed = [
-        f"{flag_name(name)} {getattr(config, name)} (trained with {was[name]})"
-        for name in ("opt", "lr_scheduler")
-        if name in was and was[name] != getattr(config, name)
+        f"{flag_name(name)} {_shown(getattr(config, name))} (trained with {_shown(was[name])})"
+        for name in names
+        if name in was and _shown(was[name]) != _shown(getattr(config, name))
     ]
-    if "lr_warmup_epochs" in was and (was["lr_warmup_epochs"] > 0) != (config.lr_warmup_epochs > 0):
-        changed.append(
-            f"--lr-warmup-epochs {config.lr_warmup_epochs:g} (trained with "
-            f"{was['lr_warmup_epochs']:g})"
-        )
     if changed:
         raise UserError(
             f"--resume: {path} cannot continue under {'; '.join(changed)}: its optimizer and "
             f"schedule go on as they were; to change them, start a new run from its weights "
             f"with --pretrained {path}"
         )
+
+
+def _shown(value) -> str:
+    """A setting as a flag gives it: 1 and 1.0 alike, a list as its items."""
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(_shown, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def check_trainable(saved: dict, path: Path) -> None:

@@ -15,7 +15,8 @@ at step round(W x steps_per_epoch); it multiplies step and multistep, whose drop
 epochs (ChainedScheduler), and hands over to the cosine, which then starts (SequentialLR).
 Stepping per optimizer step makes the warmup smooth, and a schedule resumed from its
 `state_dict` mid-epoch continues exactly. The schedule's parameters are part of that state:
-changing --epochs or a schedule flag on resume does not reshape a schedule under way.
+a resume that changes them is refused (state/resume.check_continuable), since the load would
+undo the change.
 """
 
 import warnings
