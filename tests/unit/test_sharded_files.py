@@ -45,6 +45,21 @@ def test_a_save_is_a_numbered_folder_linked_and_retained(saved):
     assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".")]
 
 
+def test_a_save_in_the_other_format_retires_the_old_latest_link(saved):
+    """A run resumed with another --checkpoint-format: checkpoint.pt stayed, naming an older
+    step (and, as a hard link, keeping its space once retention removed it)."""
+    out_dir, model, optimizer = saved
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 30)
+    full = training_parts(model, optimizer, scheduler, ONE)
+    Checkpointer(ONE, out_dir, full, meta(), {}, 2).save(TrainState(epoch=3, global_step=30))
+    assert files.load(out_dir / "checkpoint.pt")["global_step"] == 30
+    assert not (out_dir / "checkpoint.dcp").is_symlink()
+    saver = sharded_checkpointer(out_dir, model, optimizer, scheduler)
+    saver.save(TrainState(epoch=4, global_step=40))
+    assert not (out_dir / "checkpoint.pt").exists()
+    assert files.resolve("auto", out_dir) == out_dir / "checkpoint-000000040.dcp"
+
+
 def test_going_back_to_an_earlier_folder_makes_it_the_newest_again(saved):
     out_dir, _, _ = saved
     removed = roll_back(out_dir, 10)

@@ -258,6 +258,7 @@ class Checkpointer:
             if self.env.is_main:
                 _check_finite(checkpoint, state)
                 files.save(self.out_dir, checkpoint, is_best, self.keep_last)
+                _drop_other_latest(self.out_dir, sharded.LATEST)
                 self._write_config()
             self.mark("checkpoint: written")
 
@@ -292,6 +293,7 @@ class Checkpointer:
         def commit() -> None:
             if self.env.is_main:
                 sharded.commit(self.out_dir, rest, is_best, self.keep_last, best_apart)
+                _drop_other_latest(self.out_dir, files.LATEST)
                 self._write_config()
             self.mark("checkpoint: written")
 
@@ -310,6 +312,13 @@ class Checkpointer:
             if name in checkpoint and name not in skip:
                 part.load_state_dict(checkpoint[name])
         return TrainState.from_checkpoint(checkpoint)
+
+
+def _drop_other_latest(out_dir: Path, other: str) -> None:
+    """After a save, the other format's latest link (a run resumed with another
+    --checkpoint-format) names an older checkpoint: `eval --resume out/checkpoint.pt` would
+    take its weights, and a hard link would keep a retired checkpoint's space."""
+    (out_dir / other).unlink(missing_ok=True)
 
 
 def _local_weights(tensors: dict) -> dict:
