@@ -502,6 +502,12 @@ class Config:
                 f"{self.batch_size} ({per_rank} on {world_size} rank(s))"
             )
 
+    def check_batch_divides_early(self, world_size: int) -> None:
+        """check_batch_divides before anything slow (--verify-images decodes every image), when
+        no checkpoint can bring its own -b or --accum-steps: those are checked once merged."""
+        if self.resume is None or {"batch_size", "accum_steps"} <= self.given:
+            self.check_batch_divides(world_size)
+
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in settings()}
 

@@ -101,6 +101,7 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
 
 
 def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
+    config.check_batch_divides_early(env.world_size)
     out_dir = Path(config.out_dir)
     if not config.evaluate:  # one run per out-dir, before anything reads or writes it
         unlocked = agree(env, lambda: lock_out_dir(out_dir) if env.is_main else None)
@@ -397,7 +398,8 @@ def _prepare(
         # The checkpoint's settings under what the flags and --config gave.
         given, config = config, resumed(config, saved.get("config"))
         check_position(saved, config)
-        _check_same_leave_out(given, config, resume)
+        if not config.evaluate:  # evaluating on other data is fine
+            _check_same_leave_out(given, config, resume)
     config.check_batch_divides(env.world_size)  # -b is the checkpoint's unless given
     if config.tensorboard and not config.evaluate:  # eval writes no events
         require_tensorboard()  # on every rank, so that every rank stops when it is missing

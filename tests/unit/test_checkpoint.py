@@ -11,7 +11,7 @@ from ddptrain.config import Config
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError, WriteFailed
 from ddptrain.model.parallelize import unwrap
-from ddptrain.state import files
+from ddptrain.state import files, sharded
 from ddptrain.state.checkpointer import (
     FORMAT_VERSION,
     Checkpointer,
@@ -255,14 +255,22 @@ def test_only_ddptrains_own_temp_names_are_removed(tmp_path):
     `.checkpoint*` removed their `.checkpoints/` folder with everything in it."""
     ours = [
         ".checkpoint-000000008.pt.k2j_x9aq.tmp",
+        ".checkpoint.pt.k2j_x9aq.tmp",  # copied where the file system has no hard links
         ".model_best.pt.abc123.tmp",
         ".config.json.abc123.tmp",
         ".metrics.jsonl.abc123.tmp",
+        ".summary.csv.abc123.tmp",
+        ".profile.json.4242.tmp",
         ".checkpoint.pt.4242.link",
         ".checkpoint.dcp.4242.link",
-        ".model_best.ema.tmp",
     ]
-    folders = [".checkpoint-000000008.dcp.tmp", ".model_best.dcp.tmp"]
+    folders = [
+        sharded.temp_folder(tmp_path, 8).name,
+        ".model_best.dcp.tmp",  # sharded._copy_folder's, for model_best.dcp
+        sharded.best_temp_folder(tmp_path).name,
+        ".model_best.dcp.old",  # set aside, its replacement in place
+    ]
+    (tmp_path / "model_best.dcp").mkdir()
     users = [".checkpoint_notes", ".config.json.bak", ".model_best.pt.tmp", "x.tmp"]
     for name in ours + users:
         (tmp_path / name).write_text("x")
@@ -273,7 +281,7 @@ def test_only_ddptrains_own_temp_names_are_removed(tmp_path):
         (tmp_path / name / "__0_0.distcp").write_text("x")
     files.remove_stale_temp_files(tmp_path)
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted([*users, ".checkpoints"])
+    assert left == sorted([*users, ".checkpoints", "model_best.dcp"])
     assert (tmp_path / ".checkpoints" / "old" / "weights.txt").read_text() == "keep"
 
 
@@ -325,15 +333,16 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_named_before_loading(tmp_pa
 
 def test_another_optimizer_or_schedule_kind_on_resume_is_one_line(tmp_path):
     """Their saved states load only into their own kinds: --opt adamw on an sgd checkpoint
-    ended in a KeyError inside the load, a warmup added in another."""
+    ended in a KeyError inside the load, a warmup added in another; a schedule's shape given
+    anew was undone by the load."""
     saved = {"config": Config(lr_scheduler="cosine", epochs=2).to_dict()}
     same = Config(lr_scheduler="cosine", epochs=2, lr=0.5, lr_step_size=9)  # not cosine's shape
     check_continuable(saved, same, tmp_path)
     step = {"config": Config(epochs=2, lr_milestones=(1,)).to_dict()}
     check_continuable(step, Config(epochs=90), tmp_path)  # a step schedule has no length
+    check_continuable(step, Config(opt="sgd-nesterov"), tmp_path)  # sgd's state, its nesterov
     for changed, flag in [
         (dict(opt="adamw"), "--opt adamw (trained with sgd)"),
-        (dict(opt="sgd-nesterov"), "--opt sgd-nesterov (trained with sgd)"),
         (dict(lr_scheduler="step"), "--lr-scheduler step (trained with cosine)"),
         (dict(lr_warmup_epochs=1), "--lr-warmup-epochs 1 (trained with 0)"),
         # Undone by the load: a cosine stretched to 4 epochs rose again after its second.

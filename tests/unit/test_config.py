@@ -228,3 +228,14 @@ def test_powersgd_with_a_static_graph_or_fp16_is_refused():
 def test_a_number_that_is_not_finite_is_refused(flags):
     with pytest.raises(UserError, match=f"{flags[0]} must be a finite number, got"):
         parse(["train", *flags])
+
+
+def test_the_early_batch_check_waits_for_a_checkpoints_own_batch():
+    """Resumed without -b, the checkpoint's -b is the one to divide (checked once merged):
+    the default 256 refused a run trained with -b 6 on 3 ranks."""
+    Config(resume="auto").check_batch_divides_early(3)
+    with pytest.raises(UserError, match="--batch-size 256"):
+        Config().check_batch_divides_early(3)
+    given = frozenset({"batch_size", "accum_steps"})
+    with pytest.raises(UserError, match="--batch-size 256"):
+        Config(resume="auto", given=given).check_batch_divides_early(3)

@@ -74,6 +74,9 @@ def test_a_folder_that_cannot_be_read_is_named_not_passed_over(tree, monkeypatch
     monkeypatch.setattr(os, "scandir", denied_below_bar)
     with pytest.raises(UserError, match=f"Permission denied: '{hidden_away}'"):
         folder.image_folder(tree / "train", None)
+    # A hidden one (another user's .Trash-1000) holds nothing to train on: it is not read.
+    hidden_away = hidden_away.rename(hidden_away.with_name(".Trash-1000"))
+    assert len(folder.image_folder(tree / "train", None)) == 24
 
 
 def test_no_class_folders(tree):

@@ -134,8 +134,12 @@ class ImageFolder(datasets.ImageFolder):
         samples = []
         for name, index in sorted(class_to_idx.items()):
             class_dir = os.path.join(directory, name)
+            walked = []
+            for folder, folders, files in os.walk(class_dir, onerror=_raise, followlinks=True):
+                folders[:] = [f for f in folders if not f.startswith(".")]  # never read: skipped
+                walked.append((folder, files))
             found = []
-            for folder, _, files in sorted(os.walk(class_dir, onerror=_raise, followlinks=True)):
+            for folder, files in sorted(walked):
                 paths = (os.path.join(folder, file) for file in sorted(files))
                 found += [(path, index) for path in paths if is_image(path)]
             if not found:

@@ -78,7 +78,7 @@ def spawn(config: Config, train: Callable[[Config, SpawnSlot], object]) -> int:
     """
     nproc = config.nproc_per_node or _default_nproc(config)
     nodes, node_rank = _nodes(config)
-    config.check_batch_divides(nproc * nodes)
+    config.check_batch_divides_early(nproc * nodes)  # each rank checks a resumed -b itself
     url = _rendezvous(config, nodes)
     try:
         mp.spawn(_worker, args=(train, config, nproc, (nodes, node_rank), url), nprocs=nproc)

@@ -169,16 +169,21 @@ def remove(path: Path) -> None:
 
 # Temp names of every write into the out-dir, in full: the out-dir may be a user's working
 # directory, whose own `.checkpoints/` folder or `.config.json.bak` must stay. atomic_write's
-# `.NAME.XXXXXXXX.tmp` (mkstemp's random part), the `latest` links' `.checkpoint.pt.PID.link`,
-# sharded saves' `.checkpoint-<step>.dcp.tmp` folders, `.model_best.dcp.tmp` or `.ema.tmp`, and
-# the `.NAME.dcp.old` that replaced a folder (sharded._swap_in).
-_OWN_FILES = r"checkpoint-\d{9}\.pt|model_best\.pt|config\.json|metrics\.jsonl"
+# `.NAME.XXXXXXXX.tmp` (mkstemp's random part; checkpoint.pt too, copied where the file system
+# has no hard links), the `latest` links' `.checkpoint.pt.PID.link`, the profiler's
+# `.profile.json.PID.tmp`, sharded saves' `.checkpoint-<step>.dcp.tmp` folders, the best copy's
+# `.model_best.dcp.tmp` (or `.model_best.dcp.ema.tmp`), and the `.NAME.dcp.old` set aside by
+# sharded._swap_in once its replacement is in place.
+_OWN_FILES = (
+    r"checkpoint-\d{9}\.pt|checkpoint\.pt|model_best\.pt|config\.json|metrics\.jsonl"
+    r"|summary\.csv|metrics\.png|profile\.json"
+)
 STALE_TEMP_NAME = re.compile(
     rf"\.(?:{_OWN_FILES})\.\w+\.tmp"
     r"|\.checkpoint\.(?:pt|dcp)\.\d+\.link"
     r"|\.checkpoint-\d{9}\.dcp\.tmp"
-    r"|\.model_best\.(?:dcp|ema)\.tmp"
-    r"|\.(?:model_best|checkpoint-\d{9})\.dcp\.old"  # set aside, its replacement in place
+    r"|\.model_best\.dcp(?:\.ema)?\.tmp"
+    r"|\.(?:model_best|checkpoint-\d{9})\.dcp\.old"
 )
 
 

@@ -150,24 +150,37 @@ WARMUP_SHAPE = ("lr_warmup_epochs", "lr_warmup_decay")
 
 def check_continuable(saved: dict, config: Config, path: Path) -> None:
     """The saved optimizer and schedule states continue only as they were saved: another
-    --opt or --lr-scheduler, or a warmup added or dropped, would fail inside the load (or, from
-    sgd to sgd-nesterov, be undone by it), and a flag that shapes the schedule would be undone
-    by it."""
+    optimizer or --lr-scheduler, or a warmup added or dropped, would fail inside the load, and
+    a flag that shapes the schedule would be undone by it."""
     was = saved.get("config") or {}
     names = ["opt", "lr_scheduler", *SCHEDULE_SHAPE.get(config.lr_scheduler, ())]
     if config.lr_warmup_epochs > 0 or was.get("lr_warmup_epochs", 0) > 0:
         names += WARMUP_SHAPE
+
+    def differs(name: str) -> bool:
+        before, now = was[name], getattr(config, name)
+        if name == "opt":  # sgd-nesterov has sgd's state; optim.keep_given sets its nesterov
+            return before.removesuffix("-nesterov") != now.removesuffix("-nesterov")
+        return _shown(before) != _shown(now)
+
     changed = [
         f"{flag_name(name)} {_shown(getattr(config, name))} (trained with {_shown(was[name])})"
         for name in names
-        if name in was and _shown(was[name]) != _shown(getattr(config, name))
+        if name in was and differs(name)
     ]
     if changed:
         raise UserError(
             f"--resume: {path} cannot continue under {'; '.join(changed)}: its optimizer and "
             f"schedule go on as they were; to change them, start a new run from its weights "
-            f"with --pretrained {path}"
+            f"with --pretrained {_weights_file(path)}"
         )
+
+
+def _weights_file(path: Path) -> str:
+    """What --pretrained takes for a checkpoint: a sharded folder is converted first."""
+    if path.is_dir():
+        return f"FILE.pt, made by `ddptrain convert {path} FILE.pt`"
+    return str(path)
 
 
 def _shown(value) -> str:
