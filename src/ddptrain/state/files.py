@@ -115,22 +115,20 @@ def serialized(checkpoint: dict) -> bytes:
 
 
 def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None:
-    """Writes model_best.pt when is_best, commits checkpoint-<step>.pt and points checkpoint.pt
-    at it, then deletes numbered checkpoints beyond the newest keep_last. A crash at any point
+    """Commits checkpoint-<step>.pt, points checkpoint.pt at it, writes model_best.pt when
+    is_best, then deletes numbered checkpoints beyond the newest keep_last. A crash at any point
     leaves the previous checkpoint in place, and so does a failed write, which raises
-    WriteFailed. The best copy goes first: a committed checkpoint carries the raised best_acc1
-    on to every resume, so one committed before its best copy failed would leave model_best.pt
-    behind for good. Call on the main rank only."""
+    WriteFailed. Call on the main rank only."""
     data = serialized(checkpoint)
     step = checkpoint["global_step"]
     path = out_dir / f"checkpoint-{step:09d}.pt"
     try:
-        if is_best:
-            best = best_copy(checkpoint)
-            atomic_write(out_dir / BEST, data if best is checkpoint else serialized(best))
         atomic_write(path, data, before_rename=lambda: faults.kill_point("before_rename", step))
         faults.kill_point("after_rename", step)
         link_latest(path)
+        if is_best:
+            best = best_copy(checkpoint)
+            atomic_write(out_dir / BEST, data if best is checkpoint else serialized(best))
     except WriteFailed as err:
         raise WriteFailed(
             f"{err}; the checkpoints written before it are intact: make room, then continue "

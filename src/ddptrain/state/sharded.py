@@ -271,27 +271,26 @@ def _bytes(value) -> int:
 def commit(
     out_dir: Path, rest: dict, is_best: bool, keep_last: int, best_apart: bool = False
 ) -> Path:
-    """Rank 0, once every rank's shards are in the temp folder: writes state.pt, copies the
-    folder to model_best.dcp when is_best (or, `best_apart`, puts the EMA's folder there),
-    renames the folder into place, links checkpoint.dcp to it, and deletes the oldest
-    checkpoints beyond keep_last. A failed write or rename raises WriteFailed (one line) and
-    leaves the checkpoints before it as they were. The best copy goes first, as in files.save:
-    a committed checkpoint carries the raised best_acc1 on to every resume."""
+    """Rank 0, once every rank's shards are in the temp folder: writes state.pt, renames the
+    folder into place, links checkpoint.dcp to it, copies it to model_best.dcp when is_best (or,
+    `best_apart`, puts the EMA's folder there), and deletes the oldest checkpoints beyond
+    keep_last. A failed write or rename raises WriteFailed (one line) and leaves the
+    checkpoints before it as they were."""
     step = rest["global_step"]
     tmp, best_tmp = temp_folder(out_dir, step), best_temp_folder(out_dir)
     path = out_dir / f"checkpoint-{step:09d}{SUFFIX}"
     try:
         files.atomic_write(tmp / STATE, files.serialized(rest))
+        _swap_in(tmp, path)  # over the same step saved before a restart, if any
+        files.fsync_dir(out_dir)
+        link_latest(path)
         if is_best and best_apart:
             ema_marked = {**rest, **files.EMA_MARK}  # its model is in the folder's shards
             files.atomic_write(best_tmp / STATE, files.serialized(ema_marked))
             faults.disk_full(out_dir / BEST)
             _swap_in(best_tmp, out_dir / BEST)
         elif is_best:
-            _copy_folder(tmp, out_dir / BEST)
-        _swap_in(tmp, path)  # over the same step saved before a restart, if any
-        files.fsync_dir(out_dir)
-        link_latest(path)
+            _copy_folder(path, out_dir / BEST)
     except OSError as err:
         for folder in (tmp, best_tmp):  # a save that did not commit: its space back
             shutil.rmtree(folder, ignore_errors=True)
