@@ -7,6 +7,7 @@ import torch
 import torchvision
 from torch import nn
 
+from ddptrain import faults
 from ddptrain.config import Config
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
@@ -20,7 +21,7 @@ from ddptrain.state.checkpointer import (
     check_fits,
     training_parts,
 )
-from ddptrain.state.resume import check_continuable, check_out_dir, roll_back
+from ddptrain.state.resume import check_continuable, check_out_dir, find_resume, roll_back
 from ddptrain.train.optim import build_optimizer
 
 CLASSES = {"a": 0, "b": 1, "c": 2}
@@ -239,6 +240,33 @@ def test_stale_temp_files_are_removed_and_never_chosen(tmp_path):
     assert (tmp_path / "checkpoint-000000004.pt").exists()
 
 
+class Crash(BaseException):
+    """A process killed at a point of a save."""
+
+
+@pytest.mark.parametrize("point", ["before_rename", "after_rename"])
+def test_a_best_copy_is_committed_with_its_checkpoint_or_not_at_all(tmp_path, monkeypatch, point):
+    """A crash between the checkpoint's rename and its best copy's: the next start promotes the
+    copy (a checkpoint committed alone carried the raised best_acc1 on to every resume, which
+    then never wrote model_best.pt again). Before the checkpoint's: both are gone."""
+    save_steps(tmp_path, [4], best_at=(4,))
+
+    def crash_at(at, step):
+        if at == point:
+            raise Crash
+
+    with monkeypatch.context() as killed:
+        killed.setattr(faults, "kill_point", crash_at)
+        with pytest.raises(Crash):
+            save_steps(tmp_path, [8], best_at=(8,))
+    committed = point == "after_rename"
+    assert find_resume("auto", tmp_path, False, print).name == (
+        "checkpoint-000000008.pt" if committed else "checkpoint-000000004.pt"
+    )
+    assert files.load(tmp_path / "model_best.pt")["global_step"] == (8 if committed else 4)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
 def test_only_ddptrains_own_temp_names_are_removed(tmp_path):
     """The out-dir may be the user's working directory (the default `.`): a glob on
     `.checkpoint*` removed their `.checkpoints/` folder with everything in it."""
@@ -252,12 +280,15 @@ def test_only_ddptrains_own_temp_names_are_removed(tmp_path):
         ".profile.json.4242.tmp",
         ".checkpoint.pt.4242.link",
         ".checkpoint.dcp.4242.link",
+        files.pending_best(tmp_path / files.BEST, 8).name,  # checkpoint-8 never committed
+        f".{files.pending_best(tmp_path / files.BEST, 8).name}.abc123.tmp",
     ]
     folders = [
         sharded.temp_folder(tmp_path, 8).name,
-        ".model_best.dcp.tmp",  # sharded._copy_folder's, for model_best.dcp
         sharded.best_temp_folder(tmp_path).name,
+        ".model_best.dcp.ema.tmp",  # an earlier ddptrain's name for it
         ".model_best.dcp.old",  # set aside, its replacement in place
+        files.pending_best(tmp_path / sharded.BEST, 8).name,
     ]
     (tmp_path / "model_best.dcp").mkdir()
     users = [".checkpoint_notes", ".config.json.bak", ".model_best.pt.tmp", "x.tmp"]

@@ -104,14 +104,16 @@ def test_a_full_disk_while_saving_leaves_the_previous_checkpoint_and_no_temp_fil
     assert files.load(tmp_path / "checkpoint.pt")["global_step"] == 3
 
 
-def test_a_full_disk_while_writing_model_best_keeps_the_new_checkpoint(tmp_path, monkeypatch):
+def test_a_full_disk_while_writing_model_best_commits_neither(tmp_path, monkeypatch):
+    """A checkpoint committed without its best copy carried the raised best_acc1 on to every
+    resume, which then never wrote model_best.pt again."""
     save_step(tmp_path, 3, is_best=True)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     monkeypatch.setenv("DDPTRAIN_TEST_ENOSPC", "model_best.pt")
     with pytest.raises(WriteFailed, match="model_best.pt: No space left on device"):
         save_step(tmp_path, 6, is_best=True)
-    assert files.load(tmp_path / "model_best.pt")["global_step"] == 3
-    assert files.resolve("auto", tmp_path) == tmp_path / "checkpoint-000000006.pt"
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp file
+    assert files.resolve("auto", tmp_path) == tmp_path / "checkpoint-000000003.pt"
 
 
 def test_an_io_error_other_than_a_full_disk_names_the_file(tmp_path, monkeypatch):

@@ -81,6 +81,43 @@ def test_a_folder_set_aside_by_a_crash_mid_swap_is_put_back(saved, name):
     assert (out_dir / name / sharded.STATE).is_file() and not aside.exists()
 
 
+class Crash(BaseException):
+    """A process killed at a point of a save."""
+
+
+@pytest.mark.parametrize("ema", [False, True])
+@pytest.mark.parametrize("crash_at", ["the checkpoint's rename", "the best copy's rename"])
+def test_a_best_copy_is_committed_with_its_checkpoint_or_not_at_all(
+    saved, monkeypatch, crash_at, ema
+):
+    """A crash between the checkpoint's rename and its best copy's: the next start promotes the
+    copy. Before the checkpoint's: both are gone."""
+    out_dir, model, optimizer = saved
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 30)
+    if ema:
+        saver, _ = ema_checkpointer(out_dir, model, optimizer, scheduler)
+    else:
+        saver = sharded_checkpointer(out_dir, model, optimizer, scheduler)
+    best_model = "model_ema" if ema else "model"
+    state = TrainState(epoch=3, global_step=30, best_acc1=9.0, best_model=best_model)
+    crash = files.swap_in if crash_at == "the checkpoint's rename" else files.promote
+
+    def crashed(*args):
+        raise Crash
+
+    with monkeypatch.context() as killed:
+        killed.setattr(files, crash.__name__, crashed)
+        with pytest.raises(Crash):
+            saver.save(state, is_best=True)
+    committed = crash_at == "the best copy's rename"
+    newest = find_resume("auto", out_dir, False, print)
+    assert newest.name == f"checkpoint-{30 if committed else 20:09d}.dcp"
+    best = sharded.to_single(out_dir / sharded.BEST)
+    assert best["global_step"] == (30 if committed else 20)
+    assert ("weights" in best) == (ema and committed)
+    assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".")]
+
+
 def test_a_runs_out_dir_given_as_a_checkpoint_is_named_so(saved):
     out_dir, _, _ = saved
     with pytest.raises(UserError, match="is a run's out-dir, not a checkpoint.*000000020.dcp"):
@@ -222,8 +259,8 @@ def test_a_full_disk_while_committing_is_one_line_and_leaves_no_temp_folder(
     assert "\n" not in str(failed.value)
     assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".")]
     assert files.load(out_dir / "model_best.dcp")["global_step"] == 20  # the earlier best
-    newest = 20 if name == "state.pt" else 30  # a failed best copy keeps the new checkpoint
-    assert files.resolve("auto", out_dir) == out_dir / f"checkpoint-{newest:09d}.dcp"
+    # Nothing of the failed save is committed, its best copy with it (files.save says why).
+    assert files.resolve("auto", out_dir) == out_dir / "checkpoint-000000020.dcp"
 
 
 def ema_checkpointer(out_dir, model, optimizer, scheduler):
@@ -313,6 +350,7 @@ def test_a_full_disk_on_an_ema_best_leaves_the_earlier_best(saved, monkeypatch):
         saver.save(state, is_best=True)
     assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".")]
     assert files.load(out_dir / "model_best.dcp")["global_step"] == 20
+    assert files.resolve("auto", out_dir) == out_dir / "checkpoint-000000020.dcp"
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")

@@ -1,7 +1,8 @@
 """Checkpoint files: atomic writes, numbering, retention, integrity checks, safe loading.
 
 Every save writes `checkpoint-<global step>.pt`, then points `checkpoint.pt` at it and deletes
-the oldest beyond --keep-last. `model_best.pt` is a separate copy. What a checkpoint holds is the
+the oldest beyond --keep-last. `model_best.pt` is a separate copy, committed with its checkpoint
+or not at all (save). What a checkpoint holds is the
 Checkpointer's business (state/checkpointer.py). Sharded checkpoints are folders
 (`checkpoint-<global step>.dcp`, state/sharded.py) numbered, retained, resolved and loaded here
 with the files.
@@ -38,17 +39,24 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: Path, data: bytes, before_rename: Callable[[], None] | None = None) -> None:
+def atomic_write(
+    path: Path,
+    data: bytes,
+    before_rename: Callable[[], None] | None = None,
+    named: Path | None = None,
+) -> None:
     """Readers see the old file or the new one, never a torn one, even after a crash. A write
     that fails (a full disk, an I/O error) removes its temp file and raises WriteFailed, one
-    line naming path, the bytes it needs and the free space there."""
+    line naming path (or `named`, the file a hidden path stands for), the bytes it needs and
+    the free space there."""
+    named = named or path
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp's 0600 would hide it from others
             f.write(data)
-            faults.disk_full(path)
+            faults.disk_full(named)
             f.flush()
             os.fsync(f.fileno())
         if before_rename is not None:
@@ -60,7 +68,7 @@ def atomic_write(path: Path, data: bytes, before_rename: Callable[[], None] | No
             with contextlib.suppress(OSError):  # a failing disk may refuse this too
                 Path(tmp).unlink(missing_ok=True)
         if isinstance(err, OSError) and not isinstance(err, WriteFailed):
-            raise write_failed(path, err, needed=len(data)) from None
+            raise write_failed(named, err, needed=len(data)) from None
         raise
 
 
@@ -115,20 +123,39 @@ def serialized(checkpoint: dict) -> bytes:
 
 
 def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None:
-    """Commits checkpoint-<step>.pt, points checkpoint.pt at it, writes model_best.pt when
-    is_best, then deletes numbered checkpoints beyond the newest keep_last. A crash at any point
-    leaves the previous checkpoint in place, and so does a failed write, which raises
-    WriteFailed. Call on the main rank only."""
+    """Commits checkpoint-<step>.pt and, when is_best, model_best.pt with it, points
+    checkpoint.pt at it, then deletes numbered checkpoints beyond the newest keep_last. A crash
+    at any point leaves the previous checkpoint in place, and so does a failed write, which
+    raises WriteFailed. Call on the main rank only.
+
+    Both or neither: a checkpoint committed without its best copy would carry the raised
+    best_acc1 on to every resume, and model_best.pt would never be written again. The copy is
+    written first, complete, under a pending name (pending_best), and promoted once the
+    checkpoint is committed; a crash between the two renames leaves it to the next start
+    (remove_stale_temp_files)."""
     data = serialized(checkpoint)
     step = checkpoint["global_step"]
     path = out_dir / f"checkpoint-{step:09d}.pt"
-    try:
-        atomic_write(path, data, before_rename=lambda: faults.kill_point("before_rename", step))
-        faults.kill_point("after_rename", step)
-        link_latest(path)
-        if is_best:
+    pending = pending_best(out_dir / BEST, step) if is_best else None
+
+    def before_commit() -> None:
+        if pending is not None:
             best = best_copy(checkpoint)
-            atomic_write(out_dir / BEST, data if best is checkpoint else serialized(best))
+            best_data = data if best is checkpoint else serialized(best)
+            atomic_write(pending, best_data, named=out_dir / BEST)
+        faults.kill_point("before_rename", step)
+
+    try:
+        try:
+            atomic_write(path, data, before_rename=before_commit)
+        except BaseException:
+            if pending is not None:
+                pending.unlink(missing_ok=True)
+            raise
+        faults.kill_point("after_rename", step)
+        if pending is not None:
+            promote(pending, out_dir / BEST)
+        link_latest(path)
     except WriteFailed as err:
         raise WriteFailed(
             f"{err}; the checkpoints written before it are intact: make room, then continue "
@@ -136,6 +163,40 @@ def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None
         ) from None
     for old in numbered(out_dir)[keep_last:]:
         remove(old)
+
+
+# A best copy (model_best.pt, or model_best.dcp) complete and waiting for its checkpoint, of
+# that global step, to be committed.
+PENDING_BEST = re.compile(r"\.(model_best\.(?:pt|dcp))\.(\d{9})\.pending")
+
+
+def pending_best(best: Path, global_step: int) -> Path:
+    return best.with_name(f".{best.name}.{global_step:09d}.pending")
+
+
+def promote(pending: Path, best: Path) -> None:
+    """The best copy waiting in `pending` (a file or a sharded folder) becomes `best`: its
+    checkpoint is committed."""
+    try:
+        if pending.is_dir():
+            swap_in(pending, best)
+        else:
+            os.replace(pending, best)
+        fsync_dir(best.parent)
+    except OSError as err:
+        raise write_failed(best, err) from None
+
+
+def swap_in(tmp: Path, destination: Path) -> None:
+    """The folder tmp renamed to destination, whose old version is set aside first: a crash
+    between the two renames leaves it as `.NAME.old`, which the next run's start puts back
+    (remove_stale_temp_files)."""
+    old = destination.with_name(f".{destination.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(destination, old)
+    os.replace(tmp, destination)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # What a best copy whose model is the EMA's weights holds besides: it evaluates, but training
@@ -169,12 +230,13 @@ def remove(path: Path) -> None:
 # directory, whose own `.checkpoints/` folder or `.config.json.bak` must stay. atomic_write's
 # `.NAME.XXXXXXXX.tmp` (mkstemp's random part; checkpoint.pt too, copied where the file system
 # has no hard links), the `latest` links' `.checkpoint.pt.PID.link`, the profiler's
-# `.profile.json.PID.tmp`, sharded saves' `.checkpoint-<step>.dcp.tmp` folders, the best copy's
-# `.model_best.dcp.tmp` (or `.model_best.dcp.ema.tmp`), and the `.NAME.dcp.old` set aside by
-# sharded._swap_in once its replacement is in place.
+# `.profile.json.PID.tmp`, sharded saves' `.checkpoint-<step>.dcp.tmp` folders, the best
+# copy's `.model_best.dcp.tmp` (an earlier ddptrain named it `.model_best.dcp.ema.tmp`), the
+# `.NAME.dcp.old` set aside by swap_in once its replacement is in place, and a best copy
+# pending for a checkpoint that was never committed.
 _OWN_FILES = (
     r"checkpoint-\d{9}\.pt|checkpoint\.pt|model_best\.pt|config\.json|metrics\.jsonl"
-    r"|summary\.csv|metrics\.png|profile\.json"
+    rf"|summary\.csv|metrics\.png|profile\.json|{PENDING_BEST.pattern}"
 )
 STALE_TEMP_NAME = re.compile(
     rf"\.(?:{_OWN_FILES})\.\w+\.tmp"
@@ -182,17 +244,24 @@ STALE_TEMP_NAME = re.compile(
     r"|\.checkpoint-\d{9}\.dcp\.tmp"
     r"|\.model_best\.dcp(?:\.ema)?\.tmp"
     r"|\.(?:model_best|checkpoint-\d{9})\.dcp\.old"
+    rf"|{PENDING_BEST.pattern}"
 )
 
 
 def remove_stale_temp_files(out_dir: Path) -> None:
     """Temp files of writes that a crash interrupted before their rename: never checkpoints. A
-    folder that a crash left set aside, between the two renames that replace it (sharded.py's
-    `_swap_in`: NAME to `.NAME.old`, then the new one to NAME), is put back first."""
+    folder that a crash left set aside, between the two renames that replace it (swap_in: NAME
+    to `.NAME.old`, then the new one to NAME), is put back first, and a best copy whose
+    checkpoint was committed before the crash is promoted (save)."""
     for aside in out_dir.glob(".*.dcp.old"):
         original = out_dir / aside.name.removeprefix(".").removesuffix(".old")
         if not original.exists():
             os.replace(aside, original)
+    for pending in out_dir.glob(".model_best.*.pending"):
+        found = PENDING_BEST.fullmatch(pending.name)
+        best = out_dir / found[1] if found else None
+        if best and (out_dir / f"checkpoint-{found[2]}{best.suffix}").exists():
+            promote(pending, best)
     for tmp in out_dir.glob(".*"):
         if STALE_TEMP_NAME.fullmatch(tmp.name):
             remove(tmp)

@@ -6,10 +6,10 @@ the shards it holds, so no host ever gathers the whole model.
 everything else of the checkpoint (counters, scheduler, run metadata), small plain data that
 rank 0 writes. A save goes into a temp folder renamed into place once every rank's shards and
 state.pt are in it, so a crash or a failed write never leaves a partial checkpoint under a
-checkpoint's name. `checkpoint.dcp` links to the newest, `model_best.dcp` is a copy; when the EMA
-scored best, it is written apart with the EMA's weights as its model, as files.best_copy does
-for the single file. DCP reshards on load: a folder saved on N ranks resumes on any number,
-under fsdp or ddp.
+checkpoint's name. `checkpoint.dcp` links to the newest, `model_best.dcp` is a copy committed
+with it (files.save says why); when the EMA scored best, it is written apart with the EMA's
+weights as its model, as files.best_copy does for the single file. DCP reshards on load: a
+folder saved on N ranks resumes on any number, under fsdp or ddp.
 
 A checkpoint folder is a file a user hands us, and DCP reads `.metadata` with plain pickle and its
 non-tensor items with torch.load(weights_only=False): both go through readers here that accept
@@ -189,8 +189,8 @@ def temp_folder(out_dir: Path, global_step: int) -> Path:
 
 
 def best_temp_folder(out_dir: Path) -> Path:
-    """Where a model_best.dcp written apart (the EMA's weights) is put together."""
-    return out_dir / f".{BEST}.ema.tmp"
+    """Where model_best.dcp is put together before it waits for its checkpoint (commit)."""
+    return out_dir / f".{BEST}.tmp"
 
 
 def prepare(out_dir: Path, global_step: int, best_apart: bool = False) -> None:
@@ -272,25 +272,31 @@ def commit(
     out_dir: Path, rest: dict, is_best: bool, keep_last: int, best_apart: bool = False
 ) -> Path:
     """Rank 0, once every rank's shards are in the temp folder: writes state.pt, renames the
-    folder into place, links checkpoint.dcp to it, copies it to model_best.dcp when is_best (or,
-    `best_apart`, puts the EMA's folder there), and deletes the oldest checkpoints beyond
-    keep_last. A failed write or rename raises WriteFailed (one line) and leaves the
-    checkpoints before it as they were."""
+    folder into place with, when is_best, model_best.dcp (a copy of it or, `best_apart`, the
+    EMA's folder), links checkpoint.dcp to it, and deletes the oldest checkpoints beyond
+    keep_last. The best copy is committed with its checkpoint or not at all, as files.save
+    does. A failed write or rename raises WriteFailed (one line) and leaves the checkpoints
+    before it as they were."""
     step = rest["global_step"]
     tmp, best_tmp = temp_folder(out_dir, step), best_temp_folder(out_dir)
     path = out_dir / f"checkpoint-{step:09d}{SUFFIX}"
+    pending = files.pending_best(out_dir / BEST, step) if is_best else None
     try:
-        files.atomic_write(tmp / STATE, files.serialized(rest))
-        _swap_in(tmp, path)  # over the same step saved before a restart, if any
+        try:
+            files.atomic_write(tmp / STATE, files.serialized(rest))
+            if pending is not None:
+                _put_best_together(tmp, best_tmp, rest, best_apart, out_dir / BEST)
+                shutil.rmtree(pending, ignore_errors=True)
+                os.replace(best_tmp, pending)
+            files.swap_in(tmp, path)  # over the same step saved before a restart, if any
+        except BaseException:
+            if pending is not None:  # a best copy for a checkpoint that was not committed
+                shutil.rmtree(pending, ignore_errors=True)
+            raise
         files.fsync_dir(out_dir)
+        if pending is not None:
+            files.promote(pending, out_dir / BEST)
         link_latest(path)
-        if is_best and best_apart:
-            ema_marked = {**rest, **files.EMA_MARK}  # its model is in the folder's shards
-            files.atomic_write(best_tmp / STATE, files.serialized(ema_marked))
-            faults.disk_full(out_dir / BEST)
-            _swap_in(best_tmp, out_dir / BEST)
-        elif is_best:
-            _copy_folder(path, out_dir / BEST)
     except OSError as err:
         for folder in (tmp, best_tmp):  # a save that did not commit: its space back
             shutil.rmtree(folder, ignore_errors=True)
@@ -304,6 +310,27 @@ def commit(
     return path
 
 
+def _put_best_together(tmp: Path, best_tmp: Path, rest: dict, best_apart: bool, best: Path) -> None:
+    """model_best.dcp, complete in best_tmp: the EMA's shards (written there by every rank)
+    with a state.pt that marks them, or a copy of the checkpoint in tmp whose files are hard
+    links where the file system has them (a committed folder's files are never written again,
+    only removed with it, and a model too big to gather is too big to copy while the other
+    ranks wait). A failure names `best`."""
+    try:
+        if best_apart:
+            marked = {**rest, **files.EMA_MARK}  # its model is in the folder's shards
+            files.atomic_write(best_tmp / STATE, files.serialized(marked), named=best)
+        else:
+            shutil.rmtree(best_tmp, ignore_errors=True)
+            shutil.copytree(tmp, best_tmp, copy_function=_link_or_copy)
+        faults.disk_full(best)
+    except (OSError, shutil.Error) as err:
+        if isinstance(err, WriteFailed):
+            raise
+        reason = err if isinstance(err, OSError) else OSError(first_line(err))
+        raise write_failed(best, reason, needed=files.folder_bytes(tmp)) from None
+
+
 def link_latest(folder: Path) -> None:
     """Points checkpoint.dcp at a numbered checkpoint folder: a relative symlink renamed into
     place, so readers see the old one or the new one."""
@@ -314,39 +341,11 @@ def link_latest(folder: Path) -> None:
     os.replace(tmp, link)
 
 
-def _copy_folder(source: Path, destination: Path) -> None:
-    """The copy is written beside destination and swapped in. Its files are hard links where the
-    file system has them: a committed folder's files are never written again, only removed
-    with it, and a model too big to gather is too big to copy while the other ranks wait."""
-    tmp = destination.with_name(f".{destination.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        shutil.copytree(source, tmp, copy_function=_link_or_copy)
-        faults.disk_full(destination)
-    except (OSError, shutil.Error) as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        reason = err if isinstance(err, OSError) else OSError(first_line(err))
-        raise write_failed(destination, reason, needed=files.folder_bytes(source)) from None
-    _swap_in(tmp, destination)
-
-
 def _link_or_copy(source: str, destination: str) -> None:
     try:
         os.link(source, destination)
     except OSError:
         shutil.copy2(source, destination)
-
-
-def _swap_in(tmp: Path, destination: Path) -> None:
-    """The folder tmp renamed to destination, whose old version is set aside first: a crash
-    between the two renames leaves it as `.NAME.old`, which the next run's start puts back
-    (files.remove_stale_temp_files)."""
-    old = destination.with_name(f".{destination.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.replace(destination, old)
-    os.replace(tmp, destination)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def to_single(folder: Path) -> dict:
