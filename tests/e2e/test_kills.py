@@ -10,9 +10,11 @@ import subprocess
 import time
 
 import pytest
+import torch
 from cli import (
     DEADLINE,
     assert_same_training,
+    assert_same_weights,
     ddptrain,
     env_with,
     kill_tree,
@@ -22,6 +24,8 @@ from cli import (
     torchrun_command,
     training_state,
 )
+
+BEST = "model_best.pt"
 
 
 def args(data, out, checkpoint_every=2, epochs=2):
@@ -51,6 +55,7 @@ def kill(point, rank, step, marker):
         ("between", 1, 4, 3),  # right after epoch 1's checkpoint
         ("before_rename", 0, 4, 3),  # the step-4 checkpoint written but not committed
         ("after_rename", 0, 4, 4),  # committed, checkpoint.pt not yet pointing at it
+        ("after_rename", 0, 3, 3),  # epoch 1's committed, its best copy not yet in place
     ],
 )
 def test_a_rank_killed_under_torchrun_restarts_and_ends_bitwise_equal(
@@ -63,6 +68,9 @@ def test_a_rank_killed_under_torchrun_restarts_and_ends_bitwise_equal(
     assert f"resumed from {out}/checkpoint-{resumed_at:09d}.pt" in result.stdout
     assert not list(out.glob(".checkpoint*")), "a temp file of the killed save was left"
     assert_same_training(uninterrupted, out)
+    best, expected = (torch.load(r / BEST, weights_only=True) for r in (out, uninterrupted))
+    assert best["global_step"] == expected["global_step"]
+    assert_same_weights(best["model"], expected["model"])
 
 
 def test_three_ranks_killed_and_restarted_end_bitwise_equal(tiny_data, tmp_path):

@@ -1,6 +1,8 @@
 import json
 import os
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -241,30 +243,39 @@ def test_stale_temp_files_are_removed_and_never_chosen(tmp_path):
 
 
 class Crash(BaseException):
-    """A process killed at a point of a save."""
+    """A save interrupted at a point (KeyboardInterrupt, say)."""
+
+
+def killed_at(out_dir: Path, crash=Crash):
+    """Raises `crash`, once out_dir is copied, as a process killed there (SIGKILL, which runs no
+    cleanup) would have left it, to `<out_dir>-killed`."""
+    shutil.copytree(out_dir, f"{out_dir}-killed", symlinks=True)
+    raise crash
 
 
 @pytest.mark.parametrize("point", ["before_rename", "after_rename"])
 def test_a_best_copy_is_committed_with_its_checkpoint_or_not_at_all(tmp_path, monkeypatch, point):
-    """A crash between the checkpoint's rename and its best copy's: the next start promotes the
-    copy (a checkpoint committed alone carried the raised best_acc1 on to every resume, which
-    then never wrote model_best.pt again). Before the checkpoint's: both are gone."""
-    save_steps(tmp_path, [4], best_at=(4,))
+    """Killed (or interrupted) between the checkpoint's rename and its best copy's: the next
+    start promotes the copy (a checkpoint committed alone carried the raised best_acc1 on to
+    every resume, which then never wrote model_best.pt again). Before the checkpoint's: both
+    are gone."""
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    save_steps(out_dir, [4], best_at=(4,))
 
     def crash_at(at, step):
         if at == point:
-            raise Crash
+            killed_at(out_dir)
 
     with monkeypatch.context() as killed:
         killed.setattr(faults, "kill_point", crash_at)
         with pytest.raises(Crash):
-            save_steps(tmp_path, [8], best_at=(8,))
-    committed = point == "after_rename"
-    assert find_resume("auto", tmp_path, False, print).name == (
-        "checkpoint-000000008.pt" if committed else "checkpoint-000000004.pt"
-    )
-    assert files.load(tmp_path / "model_best.pt")["global_step"] == (8 if committed else 4)
-    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+            save_steps(out_dir, [8], best_at=(8,))
+    step = 8 if point == "after_rename" else 4
+    for left in (out_dir, tmp_path / "run-killed"):
+        assert find_resume("auto", left, False, print).name == f"checkpoint-{step:09d}.pt"
+        assert files.load(left / "model_best.pt")["global_step"] == step
+        assert not [p.name for p in left.iterdir() if p.name.startswith(".")]
 
 
 def test_only_ddptrains_own_temp_names_are_removed(tmp_path):

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 import torchvision
-from test_checkpoint import ONE, meta, trained_model
+from test_checkpoint import ONE, Crash, killed_at, meta, trained_model
 
 from ddptrain.config import Config
 from ddptrain.errors import UserError, WriteFailed
@@ -72,7 +72,7 @@ def test_going_back_to_an_earlier_folder_makes_it_the_newest_again(saved):
 
 @pytest.mark.parametrize("name", [sharded.BEST, "checkpoint-000000020.dcp"])
 def test_a_folder_set_aside_by_a_crash_mid_swap_is_put_back(saved, name):
-    # _swap_in sets the folder it replaces aside, then renames the new one in: killed between.
+    # files.swap_in sets the folder it replaces aside, then renames the new one in: killed between.
     out_dir, _, _ = saved
     aside = out_dir / f".{name}.old"
     os.replace(out_dir / name, aside)
@@ -81,17 +81,13 @@ def test_a_folder_set_aside_by_a_crash_mid_swap_is_put_back(saved, name):
     assert (out_dir / name / sharded.STATE).is_file() and not aside.exists()
 
 
-class Crash(BaseException):
-    """A process killed at a point of a save."""
-
-
 @pytest.mark.parametrize("ema", [False, True])
 @pytest.mark.parametrize("crash_at", ["the checkpoint's rename", "the best copy's rename"])
 def test_a_best_copy_is_committed_with_its_checkpoint_or_not_at_all(
     saved, monkeypatch, crash_at, ema
 ):
-    """A crash between the checkpoint's rename and its best copy's: the next start promotes the
-    copy. Before the checkpoint's: both are gone."""
+    """Killed (or interrupted) between the checkpoint's rename and its best copy's: the next
+    start promotes the copy. Before the checkpoint's: both are gone."""
     out_dir, model, optimizer = saved
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 30)
     if ema:
@@ -101,20 +97,29 @@ def test_a_best_copy_is_committed_with_its_checkpoint_or_not_at_all(
     best_model = "model_ema" if ema else "model"
     state = TrainState(epoch=3, global_step=30, best_acc1=9.0, best_model=best_model)
     crash = files.swap_in if crash_at == "the checkpoint's rename" else files.promote
-
-    def crashed(*args):
-        raise Crash
-
     with monkeypatch.context() as killed:
-        killed.setattr(files, crash.__name__, crashed)
+        killed.setattr(files, crash.__name__, lambda *args: killed_at(out_dir))
         with pytest.raises(Crash):
             saver.save(state, is_best=True)
-    committed = crash_at == "the best copy's rename"
-    newest = find_resume("auto", out_dir, False, print)
-    assert newest.name == f"checkpoint-{30 if committed else 20:09d}.dcp"
-    best = sharded.to_single(out_dir / sharded.BEST)
-    assert best["global_step"] == (30 if committed else 20)
-    assert ("weights" in best) == (ema and committed)
+    step = 30 if crash_at == "the best copy's rename" else 20
+    for left in (out_dir, out_dir.with_name(f"{out_dir.name}-killed")):
+        assert find_resume("auto", left, False, print).name == f"checkpoint-{step:09d}.dcp"
+        best = sharded.to_single(left / sharded.BEST)
+        assert best["global_step"] == step
+        assert ("weights" in best) == (ema and step == 30)
+        assert not [p.name for p in left.iterdir() if p.name.startswith(".")]
+
+
+def test_a_best_copy_is_not_promoted_beside_an_earlier_save_of_its_step(saved):
+    """Killed while a save replaced the folder of its own step (a restart's): the earlier
+    folder, set aside, is put back, and the best copy pending for the save that did not
+    commit is not taken for that folder's."""
+    out_dir, _, _ = saved
+    pending = files.pending_best(out_dir / sharded.BEST, 20)
+    shutil.copytree(out_dir / "checkpoint-000000010.dcp", pending)  # not step 20's
+    os.replace(out_dir / "checkpoint-000000020.dcp", out_dir / ".checkpoint-000000020.dcp.old")
+    assert find_resume("auto", out_dir, False, print).name == "checkpoint-000000020.dcp"
+    assert files.load(out_dir / sharded.BEST)["global_step"] == 20
     assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".")]
 
 

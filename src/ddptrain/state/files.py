@@ -2,10 +2,9 @@
 
 Every save writes `checkpoint-<global step>.pt`, then points `checkpoint.pt` at it and deletes
 the oldest beyond --keep-last. `model_best.pt` is a separate copy, committed with its checkpoint
-or not at all (save). What a checkpoint holds is the
-Checkpointer's business (state/checkpointer.py). Sharded checkpoints are folders
-(`checkpoint-<global step>.dcp`, state/sharded.py) numbered, retained, resolved and loaded here
-with the files.
+or not at all (save). What a checkpoint holds is the Checkpointer's business
+(state/checkpointer.py). Sharded checkpoints are folders (`checkpoint-<global step>.dcp`,
+state/sharded.py) numbered, retained, resolved and loaded here with the files.
 """
 
 import contextlib
@@ -44,11 +43,13 @@ def atomic_write(
     data: bytes,
     before_rename: Callable[[], None] | None = None,
     named: Path | None = None,
+    after_rename: Callable[[], None] | None = None,
 ) -> None:
     """Readers see the old file or the new one, never a torn one, even after a crash. A write
     that fails (a full disk, an I/O error) removes its temp file and raises WriteFailed, one
     line naming path (or `named`, the file a hidden path stands for), the bytes it needs and
-    the free space there."""
+    the free space there. The hooks run just before and just after the file is renamed into
+    place."""
     named = named or path
     tmp = None
     try:
@@ -62,6 +63,9 @@ def atomic_write(
         if before_rename is not None:
             before_rename()
         os.replace(tmp, path)
+        tmp = None  # committed: nothing left to remove
+        if after_rename is not None:
+            after_rename()
         fsync_dir(path.parent)
     except BaseException as err:
         if tmp is not None:
@@ -137,6 +141,7 @@ def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None
     step = checkpoint["global_step"]
     path = out_dir / f"checkpoint-{step:09d}.pt"
     pending = pending_best(out_dir / BEST, step) if is_best else None
+    committed = False
 
     def before_commit() -> None:
         if pending is not None:
@@ -145,12 +150,17 @@ def save(out_dir: Path, checkpoint: dict, is_best: bool, keep_last: int) -> None
             atomic_write(pending, best_data, named=out_dir / BEST)
         faults.kill_point("before_rename", step)
 
+    def mark_committed() -> None:
+        nonlocal committed
+        committed = True
+
     try:
         try:
-            atomic_write(path, data, before_rename=before_commit)
+            atomic_write(path, data, before_commit, after_rename=mark_committed)
         except BaseException:
-            if pending is not None:
-                pending.unlink(missing_ok=True)
+            if pending is not None and not committed:  # else the next start promotes it
+                with contextlib.suppress(OSError):  # a failing disk may refuse this too
+                    pending.unlink(missing_ok=True)
             raise
         faults.kill_point("after_rename", step)
         if pending is not None:
@@ -252,16 +262,16 @@ def remove_stale_temp_files(out_dir: Path) -> None:
     """Temp files of writes that a crash interrupted before their rename: never checkpoints. A
     folder that a crash left set aside, between the two renames that replace it (swap_in: NAME
     to `.NAME.old`, then the new one to NAME), is put back first, and a best copy whose
-    checkpoint was committed before the crash is promoted (save)."""
+    checkpoint was committed before the crash is promoted (save). Pending copies go first: a
+    checkpoint put back from `.NAME.old` is an earlier save's, not theirs."""
+    for pending in out_dir.glob(".model_best.*.pending"):
+        found = PENDING_BEST.fullmatch(pending.name)
+        if found and (out_dir / f"checkpoint-{found[2]}{Path(found[1]).suffix}").exists():
+            promote(pending, out_dir / found[1])
     for aside in out_dir.glob(".*.dcp.old"):
         original = out_dir / aside.name.removeprefix(".").removesuffix(".old")
         if not original.exists():
             os.replace(aside, original)
-    for pending in out_dir.glob(".model_best.*.pending"):
-        found = PENDING_BEST.fullmatch(pending.name)
-        best = out_dir / found[1] if found else None
-        if best and (out_dir / f"checkpoint-{found[2]}{best.suffix}").exists():
-            promote(pending, best)
     for tmp in out_dir.glob(".*"):
         if STALE_TEMP_NAME.fullmatch(tmp.name):
             remove(tmp)

@@ -285,12 +285,10 @@ def commit(
         try:
             files.atomic_write(tmp / STATE, files.serialized(rest))
             if pending is not None:
-                _put_best_together(tmp, best_tmp, rest, best_apart, out_dir / BEST)
-                shutil.rmtree(pending, ignore_errors=True)
-                os.replace(best_tmp, pending)
+                _put_best_together(tmp, best_tmp, pending, rest, best_apart, out_dir / BEST)
             files.swap_in(tmp, path)  # over the same step saved before a restart, if any
         except BaseException:
-            if pending is not None:  # a best copy for a checkpoint that was not committed
+            if pending is not None and tmp.exists():  # its checkpoint not renamed into place
                 shutil.rmtree(pending, ignore_errors=True)
             raise
         files.fsync_dir(out_dir)
@@ -310,12 +308,14 @@ def commit(
     return path
 
 
-def _put_best_together(tmp: Path, best_tmp: Path, rest: dict, best_apart: bool, best: Path) -> None:
-    """model_best.dcp, complete in best_tmp: the EMA's shards (written there by every rank)
-    with a state.pt that marks them, or a copy of the checkpoint in tmp whose files are hard
-    links where the file system has them (a committed folder's files are never written again,
-    only removed with it, and a model too big to gather is too big to copy while the other
-    ranks wait). A failure names `best`."""
+def _put_best_together(
+    tmp: Path, best_tmp: Path, pending: Path, rest: dict, best_apart: bool, best: Path
+) -> None:
+    """model_best.dcp put together in best_tmp, then renamed to `pending` once complete and
+    durable: the EMA's shards (written there by every rank) with a state.pt that marks them,
+    or a copy of the complete checkpoint in tmp whose files are hard links where the file
+    system has them (its files are never written again, only removed with it, and a model too
+    big to gather is too big to copy while the other ranks wait). A failure names `best`."""
     try:
         if best_apart:
             marked = {**rest, **files.EMA_MARK}  # its model is in the folder's shards
@@ -324,6 +324,10 @@ def _put_best_together(tmp: Path, best_tmp: Path, rest: dict, best_apart: bool, 
             shutil.rmtree(best_tmp, ignore_errors=True)
             shutil.copytree(tmp, best_tmp, copy_function=_link_or_copy)
         faults.disk_full(best)
+        files.fsync_dir(best_tmp)
+        shutil.rmtree(pending, ignore_errors=True)
+        os.replace(best_tmp, pending)
+        files.fsync_dir(pending.parent)  # before the checkpoint's rename, which relies on it
     except (OSError, shutil.Error) as err:
         if isinstance(err, WriteFailed):
             raise
