@@ -361,6 +361,10 @@ class Config:
         for flag, (value, low) in at_least.items():
             if value < low:
                 raise UserError(f"{flag} must be at least {low}, got {value}")
+        # numpy's seed sequences take no negative seed, torch's generator none of 2**64 or more
+        # (and each rank seeds with seed + rank).
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise UserError(f"--seed must be from 0 to 2**63 - 1, got {self.seed}")
         for flag, value in (("--lr", self.lr), ("--momentum", self.momentum)):
             if value < 0:
                 raise UserError(f"{flag} must not be negative, got {value}")

@@ -107,7 +107,9 @@ def peer_lost(err: BaseException) -> str | None:
 
 def report_errors(action: Callable[[], object]) -> int:
     """Run action and turn the failures a user can act on into one line and an exit code (see
-    `report`); anything else is a bug and keeps its traceback."""
+    `report`); anything else is a bug and keeps its traceback. Every ddptrain process runs in
+    one of these."""
+    _printable_paths()
     try:
         action()
     except BaseException as err:
@@ -116,6 +118,14 @@ def report_errors(action: Callable[[], object]) -> int:
             raise
         return code
     return 0
+
+
+def _printable_paths() -> None:
+    """A path need not be UTF-8 (an image or folder named in Latin-1): printed to a stdout that
+    is strict about it (a UTF-8 locale's), it ended the run in a UnicodeEncodeError. It is
+    shown escaped instead, as Python's stderr shows it."""
+    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
 
 
 def report(err: BaseException) -> int | None:

@@ -63,6 +63,7 @@ from ddptrain.state.resume import (
     check_continuable,
     check_out_dir,
     check_position,
+    check_same_image_check,
     check_trainable,
     find_resume,
     load_resumed,
@@ -102,6 +103,7 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
 
 def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
     config.check_batch_divides_early(env.world_size)
+    _check_offload_clipping(config, env)
     out_dir = Path(config.out_dir)
     if not config.evaluate:  # one run per out-dir, before anything reads or writes it
         unlocked = agree(env, lambda: lock_out_dir(out_dir) if env.is_main else None)
@@ -334,13 +336,17 @@ def _restore(checkpointer, saved, scheduler, start: TrainState) -> TrainState:
     return state
 
 
-def _check_same_leave_out(given: Config, merged: Config, resume: Path) -> None:
-    """The images --bad-images skip leaves out are found before the checkpoint is read (every
-    rank takes part), with the flags given: the checkpoint's own choice comes too late."""
-    if merged.bad_images != given.bad_images:
+def _check_offload_clipping(config: Config, env: DistEnv) -> None:
+    """torch 2.14's clip_grad_norm_ sums the norms of the gradients' shards, in host memory
+    under --fsdp-offload, over the device's process group: NCCL has no CPU backend, so every
+    rank would fail at the first step ("No backend type associated with device type cpu",
+    pytorch/pytorch#148532). Refused before anything starts. On the CPU the group is gloo's."""
+    offloaded = config.fsdp_offload and will_shard(env, config.strategy)
+    if offloaded and config.clip_grad_norm is not None and env.device.type != "cpu":
         raise UserError(
-            f"--resume: {resume} was trained with --bad-images {merged.bad_images}: give it "
-            "again, so that the same images are left out"
+            f"--clip-grad-norm does not run with --fsdp-offload on {env.device.type}: torch "
+            "sums the offloaded gradients' norms over the device's process group, which takes "
+            "no host-memory tensors; drop one of the two"
         )
 
 
@@ -399,7 +405,7 @@ def _prepare(
         given, config = config, resumed(config, saved.get("config"))
         check_position(saved, config)
         if not config.evaluate:  # evaluating on other data is fine
-            _check_same_leave_out(given, config, resume)
+            check_same_image_check(given, config, resume)
     config.check_batch_divides(env.world_size)  # -b is the checkpoint's unless given
     if config.tensorboard and not config.evaluate:  # eval writes no events
         require_tensorboard()  # on every rank, so that every rank stops when it is missing

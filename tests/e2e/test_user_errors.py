@@ -60,7 +60,7 @@ def test_unreadable_image_in_a_loader_worker(data, tmp_path):
     bad = data / "train" / "bar" / "00003.png"
     bad.write_bytes(b"not an image")
     result = timed(lambda: ddptrain("train", *tiny_args(data, tmp_path / "out"), "-j", "2"))
-    assert_user_error(result, str(bad))
+    assert_user_error(result, str(bad), "--bad-images skip")
 
 
 def test_unknown_arch(tiny_data, tmp_path):

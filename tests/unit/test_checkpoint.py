@@ -9,8 +9,9 @@ import torch
 import torchvision
 from torch import nn
 
-from ddptrain import faults
+from ddptrain import cli, faults
 from ddptrain.config import Config
+from ddptrain.config_layers import resumed
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.model.parallelize import unwrap
@@ -23,7 +24,13 @@ from ddptrain.state.checkpointer import (
     check_fits,
     training_parts,
 )
-from ddptrain.state.resume import check_continuable, check_out_dir, find_resume, roll_back
+from ddptrain.state.resume import (
+    check_continuable,
+    check_out_dir,
+    check_same_image_check,
+    find_resume,
+    roll_back,
+)
 from ddptrain.train.optim import build_optimizer
 
 CLASSES = {"a": 0, "b": 1, "c": 2}
@@ -385,6 +392,44 @@ def test_another_optimizer_or_schedule_kind_on_resume_is_one_line(tmp_path):
             check_continuable(saved, config, tmp_path)
     with pytest.raises(UserError, match=re.escape("--lr-milestones 1 2 (trained with 1)")):
         check_continuable(step, Config(lr_scheduler="multistep", lr_milestones=(1, 2)), tmp_path)
+    # Counted in optimizer steps of the batch they were made for: a step schedule's drop came an
+    # epoch late under -b 32 after -b 16.
+    with pytest.raises(UserError, match=re.escape("--batch-size 32 (trained with 256)")):
+        check_continuable(step, Config(batch_size=32), tmp_path)
+    plain = {"config": Config(lr_scheduler="none").to_dict()}
+    check_continuable(plain, Config(lr_scheduler="none", batch_size=32), tmp_path)  # no steps
+    with pytest.raises(UserError, match=re.escape("--batch-size 32 (trained with 256)")):
+        check_continuable(
+            plain, Config(lr_scheduler="none", batch_size=32, model_ema=True), tmp_path
+        )
+    # Norms given their own weight decay: two parameter groups where one was saved, which
+    # loaded without a word and left the other weights at the first LR.
+    with pytest.raises(UserError, match=re.escape("--norm-weight-decay 0 (trained without it)")):
+        check_continuable(step, Config(norm_weight_decay=0.0), tmp_path)
+    norms = {"config": Config(norm_weight_decay=0.0).to_dict()}
+    check_continuable(norms, Config(norm_weight_decay=1e-5), tmp_path)  # the same groups
+    with pytest.raises(UserError, match=re.escape("no --norm-weight-decay (trained with 0)")):
+        check_continuable(norms, Config(), tmp_path)
+
+
+def test_a_resume_asks_for_the_image_check_it_was_trained_with(tmp_path):
+    """The image check runs before the checkpoint is read: resumed with --bad-images skip but
+    not the --max-image-pixels that left an image out, the run was refused as trained on other
+    data ("trained on 8 train images, and DATA has 9 now")."""
+    saved = Config(bad_images="skip", max_image_pixels=500, verify_images=True).to_dict()
+    for argv, flag in [
+        ([], "--bad-images skip"),
+        (["--bad-images", "skip"], "--verify-images"),
+        (["--bad-images", "skip", "--verify-images"], "--max-image-pixels 500"),
+    ]:
+        _, given = cli.parse(["train", str(tmp_path), *argv])
+        with pytest.raises(UserError, match=f"trained with {flag}: give it again"):
+            check_same_image_check(given, resumed(given, saved), tmp_path)
+    argv = ["--bad-images", "skip", "--verify-images", "--max-image-pixels", "500"]
+    _, given = cli.parse(["train", str(tmp_path), *argv])
+    check_same_image_check(given, resumed(given, saved), tmp_path)
+    _, given = cli.parse(["train", str(tmp_path), "--max-image-pixels", "99"])  # a new choice
+    check_same_image_check(given, resumed(given, Config().to_dict()), tmp_path)
 
 
 def test_a_config_json_that_is_not_ddptrains_is_refused_not_overwritten(tmp_path):

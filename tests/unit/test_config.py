@@ -42,6 +42,8 @@ def test_builtin_dataset_gets_its_own_image_size():
         ("dist_url", "http://x", "--dist-url"),
         ("world_size", 0, "--world-size"),
         ("dist_timeout", 0.5, "--dist-timeout"),
+        ("seed", -1, "--seed"),  # a traceback from numpy after every rank had set up
+        ("seed", 2**64, "--seed"),
     ],
 )
 def test_bad_values_name_their_flag(field, value, flag):

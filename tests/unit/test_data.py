@@ -79,6 +79,16 @@ def test_a_folder_that_cannot_be_read_is_named_not_passed_over(tree, monkeypatch
     assert len(folder.image_folder(tree / "train", None)) == 24
 
 
+def test_a_class_linked_to_nothing_is_named_not_left_out(tree):
+    """A class on a disk that is not mounted, in train and val alike: it was no folder, so no
+    class, and the run trained one class short without a word."""
+    for split in ("train", "val"):
+        shutil.rmtree(tree / split / "bar")
+        (tree / split / "bar").symlink_to("/nonexistent/bar")
+    with pytest.raises(UserError, match=r"/val: bar links to /nonexistent/bar, which does not"):
+        build(tree)
+
+
 def test_no_class_folders(tree):
     shutil.rmtree(tree / "train")
     (tree / "train").mkdir()

@@ -1,4 +1,5 @@
 import io
+import os
 import sys
 
 import pytest
@@ -109,3 +110,14 @@ def test_every_line_a_rank_shows_is_one_write(monkeypatch):
         "ddptrain: error: one line\n",
         "epoch 1/1 [1/1] loss 1.0\n",
     ]
+
+
+def test_a_path_that_is_not_utf8_is_printed_escaped(monkeypatch):
+    """A folder named in Latin-1, printed to a stdout strict about UTF-8 (a UTF-8 locale's),
+    ended the run in a UnicodeEncodeError traceback."""
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict")
+    monkeypatch.setattr(sys, "stdout", out)
+    latin1 = os.fsdecode(b"/tmp/caf\xe9")
+    assert report_errors(lambda: print(f"out dir: {latin1}")) == 0
+    out.flush()
+    assert out.buffer.getvalue() == b"out dir: /tmp/caf\\udce9\n"

@@ -133,6 +133,10 @@ def test_an_undecodable_image_in_a_worker_is_named(tiny_data, tmp_path):
         for _ in loaders.val_loader:
             pass
     assert one_line(caught.value).startswith(f"cannot read image {bad}: ")
+    # Found after a whole epoch here: the way to find them all first, or to go on without them.
+    assert one_line(caught.value).endswith(
+        "(`ddptrain check DATA` lists every bad image; --bad-images skip trains without them)"
+    )
 
 
 def test_an_empty_file_is_named(tmp_path):

@@ -9,6 +9,7 @@ from torch import nn
 from ddptrain.config import Config
 from ddptrain.data.loaders import Data
 from ddptrain.dist.env import DistEnv
+from ddptrain.errors import UserError
 from ddptrain.model.precision import Precision
 from ddptrain.report.reporter import Reporter
 from ddptrain.state.checkpointer import TrainState
@@ -131,3 +132,14 @@ def test_the_finite_flag_lands_on_the_losses_device_when_the_gradients_are_elsew
     assert step.finite([torch.tensor(1.0, device="meta")]).device.type == "meta"
     model.weight.grad[0, 0] = float("nan")
     assert not step.finite([torch.tensor(1.0)])
+
+
+def test_a_forward_of_one_image_into_a_1x1_batch_norm_names_the_flags():
+    """-b 4 --accum-steps 4 on a resnet at 16 px: batch norm's ValueError ended the run in a
+    traceback."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.BatchNorm2d(4))
+    model = nn.Sequential(model, nn.Flatten())
+    step = Step(model, torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=2)
+    with pytest.raises(UserError, match="a forward of 1 image per rank .* lower --accum-steps"):
+        step(torch.randn(2, 3, 8, 8), torch.tensor([0, 1]))
+    step(torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3]))  # 2 images a forward

@@ -41,7 +41,12 @@ def load_rgb(path: str, max_pixels: int | None = MAX_IMAGE_PIXELS) -> torch.Tens
     try:
         return _read_rgb(path, max_pixels)
     except _Unreadable as err:
-        raise UserError(f"cannot read image {path}: {err}") from None
+        # Found as the loader reaches it, a val image after a whole epoch: say how to find
+        # them all before training, or train without them.
+        raise UserError(
+            f"cannot read image {path}: {err} (`ddptrain check DATA` lists every bad image; "
+            "--bad-images skip trains without them)"
+        ) from None
 
 
 def image_problem(path: str, max_pixels: int | None = MAX_IMAGE_PIXELS) -> str | None:
@@ -112,9 +117,14 @@ class ImageFolder(datasets.ImageFolder):
     takes GIFs too."""
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
-        classes = sorted(
-            e.name for e in os.scandir(directory) if e.is_dir() and not e.name.startswith(".")
-        )
+        entries = [e for e in os.scandir(directory) if not e.name.startswith(".")]
+        for entry in entries:
+            if entry.is_symlink() and not os.path.exists(entry.path):
+                # Else not a folder, so no class: a class on an unmounted disk, in train and
+                # val alike, left the run one class short without a word.
+                target = os.readlink(entry.path)
+                raise FileNotFoundError(f"{entry.name} links to {target}, which does not exist")
+        classes = sorted(e.name for e in entries if e.is_dir())
         if not classes:
             raise FileNotFoundError(f"no class folders in {directory}")
         return classes, {name: i for i, name in enumerate(classes)}

@@ -151,29 +151,64 @@ WARMUP_SHAPE = ("lr_warmup_epochs", "lr_warmup_decay")
 def check_continuable(saved: dict, config: Config, path: Path) -> None:
     """The saved optimizer and schedule states continue only as they were saved: another
     optimizer or --lr-scheduler, or a warmup added or dropped, would fail inside the load, and
-    a flag that shapes the schedule would be undone by it."""
+    a flag that shapes the schedule would be undone by it. So would another -b under a
+    schedule or an EMA warmup, which count optimizer steps of the batch they were made for (a
+    step schedule's drop came an epoch late, a cosine rose again), and the weight decay of
+    norms given or dropped: the optimizer's parameter groups then differ from the saved ones,
+    which loaded into them without a word, and the weights trained at another LR than the
+    schedule's."""
     was = saved.get("config") or {}
-    names = ["opt", "lr_scheduler", *SCHEDULE_SHAPE.get(config.lr_scheduler, ())]
-    if config.lr_warmup_epochs > 0 or was.get("lr_warmup_epochs", 0) > 0:
+    names = ["opt", "lr_scheduler", "norm_weight_decay"]
+    names += SCHEDULE_SHAPE.get(config.lr_scheduler, ())
+    warmup = config.lr_warmup_epochs > 0 or was.get("lr_warmup_epochs", 0) > 0
+    if warmup:
         names += WARMUP_SHAPE
+    if config.lr_scheduler != "none" or warmup or config.model_ema:
+        names.append("batch_size")
 
     def differs(name: str) -> bool:
         before, now = was[name], getattr(config, name)
         if name == "opt":  # sgd-nesterov has sgd's state; optim.keep_given sets its nesterov
             return before.removesuffix("-nesterov") != now.removesuffix("-nesterov")
+        if name == "norm_weight_decay":  # another value keeps the groups (optim.keep_given)
+            return (before is None) != (now is None)
         return _shown(before) != _shown(now)
 
-    changed = [
-        f"{flag_name(name)} {_shown(getattr(config, name))} (trained with {_shown(was[name])})"
-        for name in names
-        if name in was and differs(name)
-    ]
+    def given(name: str) -> str:
+        now = getattr(config, name)
+        return f"no {flag_name(name)}" if now is None else f"{flag_name(name)} {_shown(now)}"
+
+    def trained(name: str) -> str:
+        return "without it" if was[name] is None else f"with {_shown(was[name])}"
+
+    differing = [name for name in names if name in was and differs(name)]
+    changed = [f"{given(name)} (trained {trained(name)})" for name in differing]
     if changed:
         raise UserError(
             f"--resume: {path} cannot continue under {'; '.join(changed)}: its optimizer and "
             f"schedule go on as they were; to change them, start a new run from its weights "
             f"with --pretrained {_weights_file(path)}"
         )
+
+
+# The flags of the image check (--verify-images, --bad-images skip), which runs before the
+# checkpoint is read.
+IMAGE_CHECK = ("bad_images", "verify_images", "max_image_pixels")
+
+
+def check_same_image_check(given: Config, merged: Config, path: Path) -> None:
+    """The image check runs on every rank before the checkpoint is read, with the flags given:
+    the checkpoint's own --bad-images skip or --max-image-pixels comes too late to leave out
+    the images it left out (the resumed run then read as trained on other data), and its
+    --verify-images too late to check anything."""
+    for name in IMAGE_CHECK:
+        was = getattr(merged, name)
+        if was != getattr(given, name):
+            shown = flag_name(name) if was is True else f"{flag_name(name)} {was}"
+            raise UserError(
+                f"--resume: {path} was trained with {shown}: give it again, so that its "
+                "images are checked as before"
+            )
 
 
 def _weights_file(path: Path) -> str:

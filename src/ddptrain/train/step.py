@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ddptrain.errors import UserError
 from ddptrain.model.parallelize import (
     forget_dropped_step,
     gradients_in_buckets,
@@ -58,12 +59,24 @@ class Step:
     def forward(self, images: torch.Tensor, target: torch.Tensor):
         """The (device) loss and logits."""
         with self.precision.autocast():
-            output = self.model(images)
+            output = self._model(images)
             if isinstance(output, tuple):  # (logits, *auxiliary logits) in train mode
                 output, *aux = output
                 aux_loss = sum(self.criterion(a, target) for a in aux)
                 return self.criterion(output, target) + AUX_WEIGHT * aux_loss, output
             return self.criterion(output, target), output
+
+    def _model(self, images: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.model(images)
+        except ValueError as err:  # batch norm's, in train mode; every rank meets it alike
+            if "more than 1 value per channel" not in str(err):
+                raise
+            raise UserError(
+                f"BatchNorm needs more than one value per channel, and a forward of {len(images)} "
+                "image per rank (-b / ranks / --accum-steps) reaches a 1x1 feature map: raise "
+                "-b, lower --accum-steps, or raise --image-size"
+            ) from None
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss / self.accum_steps if self.accum_steps > 1 else loss)
