@@ -63,7 +63,7 @@ from ddptrain.state.resume import (
     check_continuable,
     check_out_dir,
     check_position,
-    check_same_image_check,
+    check_same_leave_out,
     check_trainable,
     find_resume,
     load_resumed,
@@ -405,7 +405,8 @@ def _prepare(
         given, config = config, resumed(config, saved.get("config"))
         check_position(saved, config)
         if not config.evaluate:  # evaluating on other data is fine
-            check_same_image_check(given, config, resume)
+            check_same_leave_out(given, config, resume)
+        _check_offload_clipping(config, env)  # with the checkpoint's settings too
     config.check_batch_divides(env.world_size)  # -b is the checkpoint's unless given
     if config.tensorboard and not config.evaluate:  # eval writes no events
         require_tensorboard()  # on every rank, so that every rank stops when it is missing

@@ -84,7 +84,7 @@ def test_skip_trains_on_the_good_images_and_resumes_mid_epoch_bitwise(bad_data, 
     assert [r["samples"] for r in val_records(straight)] == [14, 14]  # the good val images
     # Resumed without the flag: one line, not "trained on 23 train images, and DATA has 24".
     forgot = ddptrain("train", *tiny_args(bad_data, straight), "--resume", "auto", "--epochs", 3)
-    assert_user_error(forgot, "was trained with --bad-images skip: give it again, so that its")
+    assert_user_error(forgot, "was trained with --bad-images skip: give it again")
 
     # Rank 1 dies before step 4; the restart resumes from step 3, mid-epoch 2.
     kill = {"DDPTRAIN_TEST_KILL": "between:1:4", "DDPTRAIN_TEST_KILL_ONCE": str(marker)}

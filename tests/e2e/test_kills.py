@@ -67,6 +67,7 @@ def test_a_rank_killed_under_torchrun_restarts_and_ends_bitwise_equal(
     assert marker.exists(), "the fault never fired"
     assert f"resumed from {out}/checkpoint-{resumed_at:09d}.pt" in result.stdout
     assert not list(out.glob(".checkpoint*")), "a temp file of the killed save was left"
+    assert not list(out.glob(".model_best*")), "a best copy of the killed save was left"
     assert_same_training(uninterrupted, out)
     best, expected = (torch.load(r / BEST, weights_only=True) for r in (out, uninterrupted))
     assert best["global_step"] == expected["global_step"]

@@ -119,11 +119,14 @@ class ImageFolder(datasets.ImageFolder):
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         entries = [e for e in os.scandir(directory) if not e.name.startswith(".")]
         for entry in entries:
-            if entry.is_symlink() and not os.path.exists(entry.path):
-                # Else not a folder, so no class: a class on an unmounted disk, in train and
-                # val alike, left the run one class short without a word.
-                target = os.readlink(entry.path)
-                raise FileNotFoundError(f"{entry.name} links to {target}, which does not exist")
+            if entry.is_symlink():
+                # A link that leads nowhere is no folder, so no class: a class on an unmounted
+                # disk, in train and val alike, left the run one class short without a word.
+                try:
+                    os.stat(entry.path)
+                except OSError as err:
+                    target = os.readlink(entry.path)
+                    raise OSError(f"{entry.name} links to {target}: {err.strerror}") from None
         classes = sorted(e.name for e in entries if e.is_dir())
         if not classes:
             raise FileNotFoundError(f"no class folders in {directory}")

@@ -152,8 +152,8 @@ def check_continuable(saved: dict, config: Config, path: Path) -> None:
     """The saved optimizer and schedule states continue only as they were saved: another
     optimizer or --lr-scheduler, or a warmup added or dropped, would fail inside the load, and
     a flag that shapes the schedule would be undone by it. So would another -b under a
-    schedule or an EMA warmup, which count optimizer steps of the batch they were made for (a
-    step schedule's drop came an epoch late, a cosine rose again), and the weight decay of
+    schedule or a warmup, which count optimizer steps of the batch they were made for (a step
+    schedule's drop came an epoch late, a cosine rose again), and the weight decay of
     norms given or dropped: the optimizer's parameter groups then differ from the saved ones,
     which loaded into them without a word, and the weights trained at another LR than the
     schedule's."""
@@ -163,7 +163,7 @@ def check_continuable(saved: dict, config: Config, path: Path) -> None:
     warmup = config.lr_warmup_epochs > 0 or was.get("lr_warmup_epochs", 0) > 0
     if warmup:
         names += WARMUP_SHAPE
-    if config.lr_scheduler != "none" or warmup or config.model_ema:
+    if config.lr_scheduler != "none" or warmup:
         names.append("batch_size")
 
     def differs(name: str) -> bool:
@@ -191,23 +191,19 @@ def check_continuable(saved: dict, config: Config, path: Path) -> None:
         )
 
 
-# The flags of the image check (--verify-images, --bad-images skip), which runs before the
-# checkpoint is read.
-IMAGE_CHECK = ("bad_images", "verify_images", "max_image_pixels")
-
-
-def check_same_image_check(given: Config, merged: Config, path: Path) -> None:
-    """The image check runs on every rank before the checkpoint is read, with the flags given:
-    the checkpoint's own --bad-images skip or --max-image-pixels comes too late to leave out
-    the images it left out (the resumed run then read as trained on other data), and its
-    --verify-images too late to check anything."""
-    for name in IMAGE_CHECK:
+def check_same_leave_out(given: Config, merged: Config, path: Path) -> None:
+    """The images --bad-images skip leaves out are found on every rank before the checkpoint
+    is read, with the flags given: the checkpoint's own --bad-images skip, or the
+    --max-image-pixels that made an image bad, comes too late, and the resumed run read as
+    trained on other data ("trained on 8 train images, and DATA has 9 now")."""
+    if merged.bad_images != "skip" or merged.data is None or merged.dummy:
+        return  # nothing is left out: the loaders take the checkpoint's settings
+    for name in ("bad_images", "max_image_pixels"):
         was = getattr(merged, name)
         if was != getattr(given, name):
-            shown = flag_name(name) if was is True else f"{flag_name(name)} {was}"
             raise UserError(
-                f"--resume: {path} was trained with {shown}: give it again, so that its "
-                "images are checked as before"
+                f"--resume: {path} was trained with {flag_name(name)} {was}: give it again, "
+                "so that the same images are left out"
             )
 
 
