@@ -259,11 +259,11 @@ STALE_TEMP_NAME = re.compile(
 
 
 def remove_stale_temp_files(out_dir: Path) -> None:
-    """Temp files of writes that a crash interrupted before their rename: never checkpoints. A
-    folder that a crash left set aside, between the two renames that replace it (swap_in: NAME
-    to `.NAME.old`, then the new one to NAME), is put back first, and a best copy whose
-    checkpoint was committed before the crash is promoted (save). Pending copies go first: a
-    checkpoint put back from `.NAME.old` is an earlier save's, not theirs."""
+    """Temp files of writes that a crash interrupted before their rename: never checkpoints.
+    Before they go, a best copy whose checkpoint was committed before the crash is promoted
+    (save), and then a folder that a crash left set aside between the two renames that replace
+    it (swap_in: NAME to `.NAME.old`, then the new one to NAME) is put back. In that order: a
+    checkpoint put back from `.NAME.old` is an earlier save's, not the pending copy's."""
     for pending in out_dir.glob(".model_best.*.pending"):
         found = PENDING_BEST.fullmatch(pending.name)
         if found and (out_dir / f"checkpoint-{found[2]}{Path(found[1]).suffix}").exists():
