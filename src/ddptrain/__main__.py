@@ -1,5 +1,4 @@
-import sys
-
 from ddptrain.cli import main
+from ddptrain.errors import end_process
 
-sys.exit(main())
+end_process(main())

@@ -4,7 +4,6 @@ As in the classic example, --world-size and --rank mean nodes and this node's ra
 """
 
 import os
-import sys
 from collections.abc import Callable
 
 import torch
@@ -13,7 +12,7 @@ import torch.multiprocessing as mp
 from ddptrain.config import Config
 from ddptrain.dist.env import SpawnSlot
 from ddptrain.dist.ports import free_port
-from ddptrain.errors import UserError, report_errors
+from ddptrain.errors import UserError, end_process, report_errors
 
 
 def _default_nproc(config: Config) -> int:
@@ -64,9 +63,7 @@ def _worker(
     url: str,
 ) -> None:
     slot = SpawnSlot(local_rank, nproc, nodes[1], nodes[0], url)
-    code = report_errors(lambda: train(config, slot))
-    if code:
-        sys.exit(code)
+    end_process(report_errors(lambda: train(config, slot)))
 
 
 def spawn(config: Config, train: Callable[[Config, SpawnSlot], object]) -> int:

@@ -50,7 +50,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ddptrain.config import Config
-from ddptrain.errors import first_line
+from ddptrain.errors import end_process, first_line
 from ddptrain.model.build import CropError, build_model
 from ddptrain.model.fsdp import shard
 from ddptrain.model.precision import DTYPES, Precision
@@ -290,4 +290,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    end_process(main(sys.argv[1:]))
