@@ -1,5 +1,6 @@
 import io
 import os
+import subprocess
 import sys
 
 import pytest
@@ -121,3 +122,19 @@ def test_a_path_that_is_not_utf8_is_printed_escaped(monkeypatch):
     assert report_errors(lambda: print(f"out dir: {latin1}")) == 0
     out.flush()
     assert out.buffer.getvalue() == b"out dir: /tmp/caf\\udce9\n"
+
+
+def test_a_process_ended_by_end_process_keeps_its_code_output_and_exit_handlers():
+    """end_process skips the interpreter's last collections, nothing else: the exit code, the
+    unflushed output and the atexit handlers all come through."""
+    script = (
+        "import atexit, sys\n"
+        "from ddptrain.errors import end_process\n"
+        "atexit.register(lambda: sys.stderr.write('handler ran'))\n"
+        "sys.stdout.write('x' * 100_000)\n"
+        "end_process(3)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, len(done.stdout), done.stderr) == (3, 100_000, "handler ran")
