@@ -143,15 +143,14 @@ def _add_export_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
-    d = Config()
     p.add_argument("-a", "--arch", required=True, help="torchvision model name")
     p.add_argument("--world-size", type=int, default=1, help="ranks of the run (default: 1)")
     p.add_argument(
         "-b",
         "--batch-size",
         type=int,
-        default=d.batch_size,
-        help=f"GLOBAL batch size, summed over all ranks (default: {d.batch_size})",
+        default=Config.batch_size,
+        help=f"GLOBAL batch size, summed over all ranks (default: {Config.batch_size})",
     )
     p.add_argument("--image-size", type=int, default=224, help="train crop in px (default: 224)")
     p.add_argument("--amp", default="none", help="none, bf16 or fp16 (default: none)")

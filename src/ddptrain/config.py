@@ -338,6 +338,7 @@ class Config:
             object.__setattr__(self, "image_size", size)
         self._check()
         self._check_recipe()
+        self._check_arch()
 
     def _check(self) -> None:
         for f in dataclasses.fields(self):  # argparse's float() and TOML take nan and inf
@@ -370,11 +371,6 @@ class Config:
                 raise UserError(f"{flag} must not be negative, got {value}")
         if self.weight_decay < 0:
             raise UserError(f"--weight-decay must not be negative, got {self.weight_decay}")
-        if self.arch not in architectures():
-            raise UserError(
-                f"--arch: unknown architecture {self.arch!r}; choose one of: "
-                + ", ".join(architectures())
-            )
         for f in dataclasses.fields(self):
             choices, value = f.metadata.get("choices"), getattr(self, f.name)
             if choices and value is not None and value not in choices:
@@ -431,6 +427,15 @@ class Config:
             raise UserError(f"--clip-grad-norm must be positive, got {self.clip_grad_norm}")
         if self.evaluate and not (self.resume or self.pretrained):
             raise UserError("--evaluate needs weights: give --resume CKPT or --pretrained")
+
+    def _check_arch(self) -> None:
+        """Last: torchvision's list takes seconds to import, which a mistake found without it
+        need not wait for."""
+        if self.arch not in architectures():
+            raise UserError(
+                f"--arch: unknown architecture {self.arch!r}; choose one of: "
+                + ", ".join(architectures())
+            )
 
     def _check_recipe(self) -> None:
         """The augmentation, loss, optimizer, schedule and EMA settings."""

@@ -6,6 +6,7 @@ layout changes between Python versions) and review the diff:
     COLUMNS=100 python -m ddptrain train --help > tests/unit/golden/train_help.txt
 """
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,3 +56,25 @@ def test_every_flag_is_documented_by_its_config_field():
             continue
         names = f.metadata["names"] or ("--" + f.name.replace("_", "-"),)
         assert set(names) <= set(action.option_strings), f.name
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["train", "-b", "many"], ["train", "--nproc-per-node", "2"], ["--help"], ["train", "--help"]],
+)
+def test_help_and_flag_mistakes_answer_before_torch_is_imported(argv):
+    """Seconds of torch and torchvision imports (a dozen on a slow disk) for a typo is a wait
+    nobody needs: they come only with work that uses them."""
+    script = (
+        "import sys\n"
+        "from ddptrain.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in ('torch', 'torchvision') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.splitlines()[-1] == "[]", done.stderr
