@@ -430,8 +430,9 @@ def _prepare(
     reporter = Reporter(
         env, out_dir, config.progress, config.tensorboard, done.global_step, config.evaluate
     )
-    if precision.warning:
-        reporter.warn(precision.warning)
+    for line in [precision.warning, *loaders.warnings]:
+        if line:
+            reporter.warn(line)
     if saved is None:
         if config.evaluate and not config.pretrained:
             raise UserError(f"--evaluate: no checkpoint to evaluate in {out_dir}")

@@ -94,3 +94,14 @@ def test_skip_trains_on_the_good_images_and_resumes_mid_epoch_bitwise(bad_data, 
         resumed.stdout
     )
     assert_same_training(straight, out)
+
+
+def test_an_image_in_no_class_folder_is_named_at_start_and_left_out(tiny_data, tmp_path):
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    shutil.copy(data / "val" / "bar" / "00001.png", data / "val" / "stray.png")
+    result = ok(ddptrain("train", *tiny_args(data, tmp_path / "run")))
+    assert (
+        f"warning: {data / 'val'}: 1 image file(s) in no class folder, left out (first: "
+        "stray.png); move each into the folder of its class\n"
+    ) in result.stderr
+    assert [r["samples"] for r in val_records(tmp_path / "run")] == [15]

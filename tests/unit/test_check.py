@@ -105,6 +105,18 @@ def test_check_of_good_data_says_so(tiny_data, capsys):
     assert capsys.readouterr().out == f"all 39 images in {tiny_data} decode (24 train, 15 val)\n"
 
 
+def test_check_warns_of_images_in_no_class_folder(tiny_data, tmp_path, capsys):
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    shutil.copy(next((data / "train" / "bar").iterdir()), data / "train" / "x.png")
+    check.check_command(str(data), workers=0, max_image_pixels=10**8, say=say)
+    out, err = capsys.readouterr()
+    assert out == f"all 39 images in {data} decode (24 train, 15 val)\n"
+    assert err == (
+        f"warning: {data / 'train'}: 1 image file(s) in no class folder, left out (first: "
+        "x.png); move each into the folder of its class\n"
+    )
+
+
 def test_data_without_val_is_refused_as_training_would(tiny_data, tmp_path):
     shutil.copytree(tiny_data / "train", tmp_path / "train")
     with pytest.raises(UserError, match=r"has no val/, which training needs; its 24 images"):

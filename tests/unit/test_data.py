@@ -121,6 +121,21 @@ def test_hidden_files_and_folders_inside_a_class_are_ignored_and_gifs_taken(tree
     assert check.list_images(tree).count("train/bar/x.gif") == 1
 
 
+def test_images_in_no_class_folder_are_left_out_and_named(tree):
+    image = next((tree / "val" / "bar").iterdir())
+    for name in ("b.png", "a.jpg"):
+        shutil.copy(image, tree / "val" / name)
+    (tree / "val" / "notes.txt").write_text("not an image")
+    d = build(tree)
+    assert d.num_val == 15 and d.num_classes == 3
+    assert d.warnings == [
+        f"{tree / 'val'}: 2 image file(s) in no class folder, left out (first: a.jpg); "
+        "move each into the folder of its class"
+    ]
+    assert build(tree, evaluate=True, pretrained=True).warnings == d.warnings
+    assert folder.image_folder(tree / "train", None).loose == []
+
+
 def test_a_file_that_is_not_a_regular_file_is_a_bad_image_not_a_hang(tree):
     pipe = tree / "val" / "bar" / "pipe.png"
     os.mkfifo(pipe)

@@ -29,7 +29,7 @@ from pathlib import Path
 from torch.utils.data import DataLoader, Dataset
 
 from ddptrain.config import Config
-from ddptrain.data.folder import image_folder, image_problem, relative_paths
+from ddptrain.data.folder import image_folder, image_problem, loose_warning, relative_paths
 from ddptrain.dist.collectives import agree, check_same, gather_from_all
 from ddptrain.dist.env import DistEnv
 from ddptrain.dist.threads import usable_cores
@@ -48,11 +48,15 @@ def _uncounted(total: int, what: str, unit: str):
     return contextlib.nullcontext(lambda n: None)
 
 
-def list_images(root: Path, splits=SPLITS) -> list[str]:
-    """The image files of root's splits as `split/class/file`, in ImageFolder's sorted order."""
+def list_images(root: Path, splits=SPLITS, say=_quiet) -> list[str]:
+    """The image files of root's splits as `split/class/file`, in ImageFolder's sorted order;
+    says which images no class folder holds (training leaves them out)."""
     files = []
     for split in splits:
-        files += [f"{split}/{name}" for name in relative_paths(image_folder(root / split, None))]
+        dataset = image_folder(root / split, None)
+        if line := loose_warning(dataset):
+            say(f"warning: {line}", stderr=True)
+        files += [f"{split}/{name}" for name in relative_paths(dataset)]
     return files
 
 
@@ -103,7 +107,7 @@ def check_command(
     splits = [split for split in SPLITS if (root / split).is_dir()]
     if not splits:
         raise UserError(f"DATA: {root} holds neither train/ nor val/")
-    files = list_images(root, splits)
+    files = list_images(root, splits, say)
     workers = usable_cores() if workers is None else workers
     bad = find_bad(root, files, workers, max_image_pixels, counting)
     for path, reason in bad:

@@ -114,10 +114,18 @@ EXTENSIONS = (*IMG_EXTENSIONS, ".gif")
 class ImageFolder(datasets.ImageFolder):
     """torchvision's ImageFolder that skips hidden files and folders at any depth
     (.ipynb_checkpoints, .Trash, a thumbnail cache in a class folder, macOS's ._ files) and
-    takes GIFs too."""
+    takes GIFs too. `loose`: the image files that sit in the split's folder itself, in no class
+    folder, which no class takes (their names, sorted)."""
+
+    loose: list[str]
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         entries = [e for e in os.scandir(directory) if not e.name.startswith(".")]
+        self.loose = sorted(
+            e.name
+            for e in entries
+            if not e.is_dir() and has_file_allowed_extension(e.name, EXTENSIONS)
+        )
         for entry in entries:
             if entry.is_symlink():
                 # A link that leads nowhere is no folder, so no class: a class on an unmounted
@@ -175,6 +183,17 @@ def image_folder(root: Path, transform, max_pixels: int | None = MAX_IMAGE_PIXEL
         return ImageFolder(str(root), transform=transform, loader=loader)
     except OSError as err:  # no class folders, a class folder with no images, no permission
         raise UserError(f"{root}: {err}") from None
+
+
+def loose_warning(dataset: ImageFolder) -> str | None:
+    """What a run says of the split's loose images (ImageFolder.loose), which it leaves out: a
+    val set poured into val/ beside a few class folders would otherwise score on those alone."""
+    if not dataset.loose:
+        return None
+    return (
+        f"{dataset.root}: {len(dataset.loose)} image file(s) in no class folder, left out "
+        f"(first: {dataset.loose[0]}); move each into the folder of its class"
+    )
 
 
 def check_same_classes(train: ImageFolder, val: ImageFolder) -> None:

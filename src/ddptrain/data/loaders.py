@@ -39,6 +39,8 @@ class Data:
     # Per split: {"images": count, "digest": of the file list, None for --dummy}. Checkpoints
     # record it, so resuming on other data is refused (state/data_facts.py).
     facts: dict = field(default_factory=dict)
+    # What rank 0 says at start about the data it leaves out (folder.loose_warning).
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def num_classes(self) -> int:
@@ -97,8 +99,10 @@ def build_data(
     )
     val_loader = DataLoader(EvalShard(val, env.rank, env.world_size), per_rank, **common)
     facts = {"val": _facts(val)}
+    folders = [d for d in (train, val) if isinstance(d, folder.ImageFolder)]
+    loose = [line for d in folders if (line := folder.loose_warning(d))]
     if train is None:
-        return Data(None, None, val_loader, len(val), class_to_idx, facts)
+        return Data(None, None, val_loader, len(val), class_to_idx, facts, loose)
     if len(train) < config.batch_size:
         raise UserError(
             f"--batch-size {config.batch_size} is larger than the {len(train)} training images"
@@ -106,7 +110,7 @@ def build_data(
     sampler = GlobalBatchSampler(len(train), config.batch_size, env.rank, env.world_size, seed)
     train_loader = DataLoader(SeededSamples(train), per_rank, sampler=sampler, **common)
     facts["train"] = _facts(train)
-    return Data(train_loader, sampler, val_loader, len(val), class_to_idx, facts)
+    return Data(train_loader, sampler, val_loader, len(val), class_to_idx, facts, loose)
 
 
 def _facts(dataset) -> dict:
