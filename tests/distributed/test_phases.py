@@ -4,10 +4,13 @@ the ranks behind it and where they were."""
 import threading
 import time
 
+import pytest
 import torch.distributed as dist
 from harness import run_ranks
 
 from ddptrain.dist.phases import PUBLISH_EVERY, Phases
+
+pytestmark = pytest.mark.serial  # the tests time the ranks' waits to tenths of a second
 
 WHERE = {0: ("backward", 7, 0), 1: ("data fetch", 7, 0), 2: ("forward", 8, 0)}
 

@@ -3,10 +3,14 @@ their error names the stalled rank and where it was (the stall sits at its first
 
 import time
 
+import pytest
 from cli import ddptrain, tcp_pair, tiny_args, torchrun
 
 from ddptrain.dist.phases import ABORT_GRACE
 
+# A healthy rank's wait for another must stay under TIMEOUT: with another test's ranks on the
+# same 2 cores, a slow start could pass for a stall.
+pytestmark = pytest.mark.serial
 TIMEOUT = 10
 
 
