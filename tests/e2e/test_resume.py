@@ -1,3 +1,4 @@
+import csv
 import json
 import signal
 
@@ -158,6 +159,9 @@ def test_model_ema_added_on_resume_starts_from_the_resumed_weights(tiny_data, tm
     average = state(tmp_path)["model_ema"]
     assert average["updates"] == 0 and average["model"].keys() == resumed.keys()
     assert all(torch.equal(average["model"][k], resumed[k]) for k in resumed)
+    with open(tmp_path / "summary.csv", newline="") as f:
+        one, two = csv.DictReader(f)  # the average's columns come with it, blank before
+    assert one["val_ema_acc1"] == "" and float(two["val_ema_acc1"]) >= 0
 
 
 def test_start_epoch_moves_the_global_step_with_the_schedule(tiny_data, tmp_path):

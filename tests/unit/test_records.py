@@ -52,14 +52,18 @@ def test_summary_continues_on_resume_without_duplicate_or_missing_rows(tmp_path)
     assert float(got[1]["train_loss"]) == 0.5 and float(got[2]["train_loss"]) == 1 / 3 + 10
 
 
-def test_the_header_is_fixed_by_the_first_row(tmp_path):
+def test_columns_a_later_epoch_brings_are_added_blank_before_it(tmp_path):
     sink = SummaryCsv(tmp_path, enabled=True)
     for record in epoch_records(1):
         sink.write(record)
-    for record in epoch_records(2, ema=True):  # keys the first row lacked are left out
-        sink.write(record)
-    header = list(rows(tmp_path)[0])
-    assert "val_ema_acc1" not in header and header == list(rows(tmp_path)[1])
+    first_header = list(rows(tmp_path)[0])
+    resumed = SummaryCsv(tmp_path, enabled=True)  # --model-ema added on resume
+    resumed.keep_until(1)
+    for record in epoch_records(2, ema=True):
+        resumed.write(record)
+    one, two = rows(tmp_path)
+    assert list(one) == list(two) and list(one)[: len(first_header)] == first_header
+    assert one["val_ema_acc1"] == "" and float(two["val_ema_acc1"]) == 19.0
 
 
 def test_a_fresh_run_drops_an_earlier_attempts_rows_and_other_ranks_write_nothing(tmp_path):

@@ -21,10 +21,10 @@ SHARED = ("epoch", "global_step", "lr")
 class SummaryCsv:
     """out_dir/summary.csv: one row per epoch with train_*, val_* (and val_ema_*) columns.
 
-    The header is fixed once the first epoch's row is complete (when the second epoch's row
-    begins); later keys that it lacks are left out, and missing values are blank. The file is
-    rewritten atomically on every record, so an epoch's row is whole at once, whatever order its
-    records come in, and a crash never leaves a torn line.
+    A key no earlier record had becomes a new last column, blank in the rows before it (the
+    val_ema_* columns of an EMA added on resume). The file is rewritten atomically on every
+    record, so an epoch's row is whole at once, whatever order its records come in, and a crash
+    never leaves a torn line.
     """
 
     def __init__(self, out_dir: Path, enabled: bool):
@@ -42,8 +42,7 @@ class SummaryCsv:
         for key, value in record.items():
             if key != "split":
                 row[key if key in SHARED else f"{split}_{key}"] = value
-        if len(rows) == 1:  # still the first row: the header grows with it
-            self._header += [key for key in row if key not in self._header]
+        self._header += [key for key in row if key not in self._header]
         self._save()
 
     def step(self, values: dict, global_step: int) -> None:
