@@ -327,9 +327,11 @@ class Config:
         invocation=True,
     )
 
-    # Not a setting: the fields a config file or a flag gave, which a checkpoint's settings
-    # must not replace on resume (config_layers.resumed).
+    # Not settings: the fields a config file or a flag gave, which a checkpoint's settings
+    # must not replace on resume (config_layers.resumed), and those the command line gave,
+    # which the run warns of where they act on nothing (inert_flags).
     given: frozenset = field(default=frozenset(), compare=False, repr=False)
+    on_command_line: frozenset = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.image_size is None:
@@ -522,8 +524,43 @@ class Config:
 
 
 def settings() -> tuple[dataclasses.Field, ...]:
-    """The fields that are settings (all but `given`)."""
-    return tuple(f for f in dataclasses.fields(Config) if f.name != "given")
+    """The fields that are settings (all but `given` and `on_command_line`)."""
+    layers = ("given", "on_command_line")
+    return tuple(f for f in dataclasses.fields(Config) if f.name not in layers)
+
+
+# Settings that act only under another: (whether they act in a config, what they need). The
+# classic example took them in silence: `--opt adamw --momentum 0.5` trained as if the
+# momentum were set, and `--lr-min` under the step schedule changed nothing.
+_ACTS_ONLY_WITH = {
+    "momentum": (lambda c: c.opt != "adamw", "--opt sgd or sgd-nesterov"),
+    "lr_step_size": (lambda c: c.lr_scheduler == "step", "--lr-scheduler step"),
+    "lr_gamma": (
+        lambda c: c.lr_scheduler in ("step", "multistep"),
+        "--lr-scheduler step or multistep",
+    ),
+    "lr_milestones": (lambda c: c.lr_scheduler == "multistep", "--lr-scheduler multistep"),
+    "lr_min": (lambda c: c.lr_scheduler == "cosine", "--lr-scheduler cosine"),
+    "lr_warmup_decay": (lambda c: c.lr_warmup_epochs > 0, "--lr-warmup-epochs above 0"),
+    "lr_base_batch": (lambda c: c.lr_base is not None, "--lr-base"),
+    "ra_magnitude": (lambda c: c.auto_augment == "ra", "--auto-augment ra"),
+    "model_ema_decay": (lambda c: c.model_ema, "--model-ema"),
+    "model_ema_steps": (lambda c: c.model_ema, "--model-ema"),
+    "powersgd_rank": (lambda c: c.ddp_comm_hook == "powersgd", "--ddp-comm-hook powersgd"),
+    "powersgd_start_step": (lambda c: c.ddp_comm_hook == "powersgd", "--ddp-comm-hook powersgd"),
+    "max_skipped": (lambda c: c.nonfinite == "skip", "--nonfinite skip"),
+}
+
+
+def inert_flags(config: Config) -> list[str]:
+    """A line for each flag given on the command line that acts on nothing in this run, its
+    settings merged (a resumed checkpoint's included). Flags, not config files: a file (a
+    recipe, a run's config.json) sets many that a flag on top may leave idle."""
+    return [
+        f"{flag_name(name)} does nothing in this run: it acts only with {needs}"
+        for name, (acts, needs) in _ACTS_ONLY_WITH.items()
+        if name in config.on_command_line and not acts(config)
+    ]
 
 
 def flag_name(name: str) -> str:

@@ -123,16 +123,24 @@ def _overlay(below: dict, layer: dict, where: str) -> dict:
 
 
 def merge(
-    flags: dict, file: dict | None = None, saved: dict | None = None, file_name: str = "--config"
+    flags: dict,
+    file: dict | None = None,
+    saved: dict | None = None,
+    file_name: str = "--config",
+    on_command_line: frozenset | None = None,
 ) -> Config:
     """The run's Config from its layers, each above the one before: the defaults, `saved` (a
     resumed checkpoint's `config` entry), `file` (from `read`), `flags` (only the flags given).
-    The returned Config's `given` names what `file` and `flags` set."""
+    The returned Config's `given` names what `file` and `flags` set, its `on_command_line`
+    what `flags` set (unless given)."""
     flags = {name: coerce(name, value, "command line") for name, value in flags.items()}
     user = _overlay(_overlay({}, file or {}, file_name), flags, "command line")
     below = from_record(saved or {}, "the checkpoint's config")
+    if on_command_line is None:
+        on_command_line = frozenset(flags)
+    layers = dict(given=frozenset(user), on_command_line=on_command_line)
     try:
-        return Config(**_overlay(below, user, "command line"), given=frozenset(user))
+        return Config(**_overlay(below, user, "command line"), **layers)
     except UserError as err:
         # Config's checks name the flags at fault: when the file gave them all, say so.
         named = set(re.findall(r"--[a-z][a-z0-9-]*", str(err)))
@@ -147,7 +155,8 @@ def resumed(config: Config, saved_config: dict | None) -> Config:
     the checkpoint layer of `merge`. Without a saved config, config itself."""
     if not saved_config:
         return config
-    return merge({name: getattr(config, name) for name in config.given}, saved=saved_config)
+    given = {name: getattr(config, name) for name in config.given}
+    return merge(given, saved=saved_config, on_command_line=config.on_command_line)
 
 
 def recipes() -> list[str]:

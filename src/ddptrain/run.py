@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddptrain.config import MEMORY_SETTINGS, Config
+from ddptrain.config import MEMORY_SETTINGS, Config, inert_flags
 from ddptrain.config_layers import resumed
 from ddptrain.data.check import images_to_leave_out
 from ddptrain.data.loaders import Data, build_data
@@ -430,7 +430,7 @@ def _prepare(
     reporter = Reporter(
         env, out_dir, config.progress, config.tensorboard, done.global_step, config.evaluate
     )
-    for line in [precision.warning, *loaders.warnings]:
+    for line in [*inert_flags(config), precision.warning, *loaders.warnings]:
         if line:
             reporter.warn(line)
     if saved is None:

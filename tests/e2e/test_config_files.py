@@ -35,7 +35,7 @@ def test_a_run_from_its_config_json_reproduces_it(tiny_data, tmp_path):
 
 
 def test_a_shipped_recipe_runs_and_flags_win(tiny_data, tmp_path):
-    ok(
+    result = ok(
         ddptrain(
             "train",
             *tiny_args(tiny_data, tmp_path),
@@ -43,8 +43,15 @@ def test_a_shipped_recipe_runs_and_flags_win(tiny_data, tmp_path):
             "recipe:small-images",
             "--lr-warmup-epochs",
             "0",
+            "--ra-magnitude",
+            "5",
         )
     )
+    # The flag that acts on nothing is named; the recipe's --lr-warmup-decay, idle now, is not.
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert warnings == [
+        "warning: --ra-magnitude does nothing in this run: it acts only with --auto-augment ra"
+    ]
     saved = state(tmp_path)["config"]
     assert (saved["hflip"], saved["auto_augment"], saved["lr_warmup_epochs"]) == (
         0.0,

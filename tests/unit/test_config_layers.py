@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ddptrain.cli import parse
-from ddptrain.config import Config
+from ddptrain.config import _ACTS_ONLY_WITH, Config, inert_flags, settings
 from ddptrain.config_layers import merge, read, recipes, resumed
 from ddptrain.errors import UserError
 from ddptrain.model.precision import resolve_precision
@@ -215,3 +215,27 @@ def test_the_checkpoint_layer_replaces_resolve_precisions_own_fallback(flags, sa
     today = resolve_precision(config, saved_config, convnet, cpu).settings()
     merged = resolve_precision(resumed(config, saved_config), None, convnet, cpu).settings()
     assert merged == today
+
+
+def test_flags_that_act_on_nothing_are_named_once_the_checkpoint_settings_are_in(tmp_path):
+    _, c = parse(["train", "--opt", "adamw", "--momentum", "0.5", "--lr-min", "0.01"])
+    assert inert_flags(c) == [
+        "--momentum does nothing in this run: it acts only with --opt sgd or sgd-nesterov",
+        "--lr-min does nothing in this run: it acts only with --lr-scheduler cosine",
+    ]
+    cosine = {**Config().to_dict(), "lr_scheduler": "cosine"}
+    assert inert_flags(resumed(c, cosine)) == [inert_flags(c)[0]]  # the run it resumes is cosine
+    file = write(tmp_path, "lr-min = 0.01\nmodel-ema-decay = 0.99\n")  # a file's are not named
+    _, from_file = parse(["train", "--config", file, "--lr-warmup-decay", "0.1"])
+    assert inert_flags(from_file) == [
+        "--lr-warmup-decay does nothing in this run: it acts only with --lr-warmup-epochs above 0"
+    ]
+    assert inert_flags(resumed(from_file, cosine)) == inert_flags(from_file)
+    _, acting = parse(
+        ["train", "--lr-scheduler", "multistep", "--lr-milestones", "2", "--lr-gamma", "0.5"]
+    )
+    assert inert_flags(acting) == []
+
+
+def test_the_flags_watched_for_acting_on_nothing_are_settings():
+    assert set(_ACTS_ONLY_WITH) <= {f.name for f in settings()}
