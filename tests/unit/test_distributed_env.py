@@ -1,6 +1,7 @@
 """How each launcher's environment becomes a placement, without starting process groups."""
 
 import datetime
+import random
 import socket
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.config import Config
-from ddptrain.dist import env, launch
+from ddptrain.dist import env, launch, ports
 from ddptrain.dist.env import (
     SpawnSlot,
     _backend,
@@ -217,3 +218,17 @@ def test_multiprocessing_distributed_reads_nodes_as_the_classic_example_does(mon
     monkeypatch.delenv("RANK")
     with pytest.raises(UserError, match="needs --rank"):
         launch._nodes(Config())
+
+
+def test_a_free_port_is_drawn_below_the_ephemeral_range_whatever_the_seed():
+    # Ports in the range go to other processes' outgoing connections as well; seeded draws
+    # would give two runs with the same --seed the same port.
+    start = ports._ephemeral_start()
+    drawn = set()
+    for _ in range(5):
+        random.seed(0)
+        port = free_port()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free
+        drawn.add(port)
+    assert all(start - ports.SPAN <= p < start for p in drawn) and len(drawn) > 1
