@@ -188,7 +188,8 @@ class _Planted:
         return (os.mkdir, (MARKER,))
 
 
-MARKER = "/tmp/ddptrain-sharded-metadata-ran-code"
+# One per process: `make test` runs two test processes at once, and the last test here makes it.
+MARKER = f"/tmp/ddptrain-sharded-metadata-ran-code-{os.getpid()}"
 
 
 def _text(text: str) -> bytes:  # pickle's SHORT_BINUNICODE
