@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m ddptrain train $(DEMO_FLAGS)
 
 # Two tests at a time: a test's processes spend most of their time importing torch on one core,
-# which left the second core idle (the suite took 36 min in one process on 2 cores, 25 in two).
+# which left the second core idle (.ci/run took 38 min one test at a time on 2 cores, 23.5 so).
 # The serial ones time their own waits and run after, alone.
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial"
