@@ -30,8 +30,8 @@ demo: $(STAMP)
 # which left the second core idle (.ci/run took 38 min one test at a time on 2 cores, 23.5 so).
 # The serial ones time their own waits and run after, alone.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial"
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m serial
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial"; \
+	parallel=$$?; OMP_NUM_THREADS=1 $(BIN)/pytest -q -m serial && exit $$parallel
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

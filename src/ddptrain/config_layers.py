@@ -132,7 +132,7 @@ def merge(
     """The run's Config from its layers, each above the one before: the defaults, `saved` (a
     resumed checkpoint's `config` entry), `file` (from `read`), `flags` (only the flags given).
     The returned Config's `given` names what `file` and `flags` set, its `on_command_line`
-    what `flags` set (unless given)."""
+    what `flags` set (unless passed in: `resumed` keeps the command line's)."""
     flags = {name: coerce(name, value, "command line") for name, value in flags.items()}
     user = _overlay(_overlay({}, file or {}, file_name), flags, "command line")
     below = from_record(saved or {}, "the checkpoint's config")

@@ -7,10 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 RANK_SCRIPT = Path(__file__).with_name("exit_rank.py")
 # Before the fix 3 to 6 jobs in 10 aborted (11 in a series of 30), so 10 clean jobs in a row
 # had a chance of 3% at most. One at a time: two at once aborted less (1 of 10).
 JOBS = 10
+# Alone, then: beside another test's processes the abort it guards against shows up less.
+pytestmark = pytest.mark.serial
 
 
 def _start_job() -> subprocess.Popen:

@@ -164,6 +164,7 @@ def test_a_stop_signal_with_nothing_to_save_leaves_every_file_as_it_was(tiny_dat
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
+@pytest.mark.serial  # timed: together takes seconds, a rank left waiting 600
 def test_a_signal_to_one_rank_just_after_a_checkpoint_stops_both_together(tiny_data, tmp_path):
     # Rank 1 is signalled right after epoch 1's checkpoint (global step 3), with nothing
     # unsaved: it does not exit alone; both ranks agree at the next boundary, after step 4,

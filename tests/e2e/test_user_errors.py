@@ -139,6 +139,7 @@ def test_one_failing_rank_ends_the_other(data, tmp_path):
     assert not (tmp_path / "checkpoint.pt").exists()
 
 
+@pytest.mark.serial  # timed against the 600 s the other rank used to wait
 @pytest.mark.parametrize("failing", [0, 1])
 def test_a_bad_device_on_one_tcp_rank_ends_both_before_the_group_forms(
     tiny_data, tmp_path, failing

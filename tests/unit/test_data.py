@@ -134,6 +134,13 @@ def test_images_in_no_class_folder_are_left_out_and_named(tree):
     ]
     assert build(tree, evaluate=True, pretrained=True).warnings == d.warnings
     assert folder.image_folder(tree / "train", None).loose == []
+    for image in (tree / "train" / "bar").iterdir():  # the class folder poured into train/
+        image.rename(tree / "train" / f"bar-{image.name}")
+    (tree / "train" / "bar").rmdir()
+    shutil.rmtree(tree / "val" / "bar")
+    config = Config(data=str(tree), batch_size=20, workers=0, image_size=16)
+    with pytest.raises(UserError, match=r"the 16 training images \(8 more in .* no class folder"):
+        build_data(config, ONE, tree, seed=0)
 
 
 def test_a_file_that_is_not_a_regular_file_is_a_bad_image_not_a_hang(tree):

@@ -220,15 +220,18 @@ def test_multiprocessing_distributed_reads_nodes_as_the_classic_example_does(mon
         launch._nodes(Config())
 
 
-def test_a_free_port_is_drawn_below_the_ephemeral_range_whatever_the_seed():
+def test_a_free_port_is_drawn_above_the_ephemeral_range_whatever_the_seed():
     # Ports in the range go to other processes' outgoing connections as well; seeded draws
     # would give two runs with the same --seed the same port.
-    start = ports._ephemeral_start()
-    drawn = set()
-    for _ in range(5):
-        random.seed(0)
-        port = free_port()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", port))  # free
-        drawn.add(port)
-    assert all(start - ports.SPAN <= p < start for p in drawn) and len(drawn) > 1
+    end, drawn = ports._ephemeral_end(), set()
+    state = random.getstate()  # the seed must not reach the tests after this one
+    try:
+        for _ in range(5):
+            random.seed(0)
+            port = free_port()
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))  # free
+            drawn.add(port)
+    finally:
+        random.setstate(state)
+    assert all(end < p <= 65535 for p in drawn) and len(drawn) > 1
