@@ -530,8 +530,8 @@ def settings() -> tuple[dataclasses.Field, ...]:
 
 
 # Settings that act only under another: (whether they act in a config, what they need). The
-# classic example took them in silence: `--opt adamw --momentum 0.5` trained as if the
-# momentum were set, and `--lr-min` under the step schedule changed nothing.
+# classic example took them in silence: `--opt adamw --momentum 0.5` trained without a word
+# that AdamW has no momentum, and `--lr-min` under the step schedule changed nothing.
 _ACTS_ONLY_WITH = {
     "momentum": (lambda c: c.opt != "adamw", "--opt sgd or sgd-nesterov"),
     "lr_step_size": (lambda c: c.lr_scheduler == "step", "--lr-scheduler step"),

@@ -104,10 +104,10 @@ def build_data(
     if train is None:
         return Data(None, None, val_loader, len(val), class_to_idx, facts, loose)
     if len(train) < config.batch_size:
-        loose = getattr(train, "loose", [])  # an image folder's (folder.ImageFolder)
+        stray = getattr(train, "loose", [])  # an image folder's (folder.ImageFolder)
         raise UserError(
             f"--batch-size {config.batch_size} is larger than the {len(train)} training images"
-            + (f" ({len(loose)} more in {train.root} sit in no class folder)" if loose else "")
+            + (f" ({len(stray)} more in {train.root} sit in no class folder)" if stray else "")
         )
     sampler = GlobalBatchSampler(len(train), config.batch_size, env.rank, env.world_size, seed)
     train_loader = DataLoader(SeededSamples(train), per_rank, sampler=sampler, **common)

@@ -6,9 +6,10 @@ from pathlib import Path
 
 # The kernel hands the ports of this range to outgoing connections (gloo's between ranks, a
 # store client's) and to a bind to port 0: a port found free there and let go can become
-# another process's connection before the rendezvous binds it, which two jobs starting on one
-# machine made happen. Above the range (Linux's ends at 60999), only a process that asks for
-# that very port takes it; below it lie the ports SLURM jobs derive from their ids (slurm.py).
+# another process's connection before the rendezvous binds it, a race that jobs starting side
+# by side on one machine (the tests, two at a time) make likelier. Above the range (Linux's
+# ends at 60999), only a process that asks for that very port takes it; below it lie the ports
+# SLURM jobs derive from their ids (slurm.py).
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LINUX_EPHEMERAL_END = 60999  # where there is no such file
 TRIES = 64
