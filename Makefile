@@ -27,8 +27,9 @@ demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m ddptrain train $(DEMO_FLAGS)
 
 # Two tests at a time: a test's processes spend most of their time importing torch on one core,
-# which left the second core idle (.ci/run took 38 min one test at a time on 2 cores, 23.5 so).
-# The serial ones time their own waits and run after, alone.
+# which left the second core idle: on 2 cores .ci/run takes about 0.6 of its CPU time in wall
+# time so, 0.87 one test at a time (README, Two commands).
+# The serial ones (timed, or needing the machine to themselves) run after, alone.
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial"; \
 	parallel=$$?; OMP_NUM_THREADS=1 $(BIN)/pytest -q -m serial && exit $$parallel
