@@ -224,6 +224,8 @@ def test_a_free_port_is_drawn_above_the_ephemeral_range_whatever_the_seed():
     # Ports in the range go to other processes' outgoing connections as well; seeded draws
     # would give two runs with the same --seed the same port.
     end, drawn = ports._ephemeral_end(), set()
+    if end >= 65535:
+        pytest.skip("the ephemeral range ends at 65535 here: free_port takes the kernel's pick")
     state = random.getstate()  # the seed must not reach the tests after this one
     try:
         for _ in range(5):
