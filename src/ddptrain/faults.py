@@ -11,10 +11,10 @@ Inert unless the DDPTRAIN_TEST_* environment variables are set; nothing else rea
   run restarted after the kill goes through.
 - DDPTRAIN_TEST_SIGNAL=NAME sends signal NAME (e.g. SIGTERM) instead of SIGKILL.
 - DDPTRAIN_TEST_STALL_RANK=N hangs rank N forever before its first step, as a wedged process.
-- DDPTRAIN_TEST_NAN=RANK:STEP makes global rank RANK's batch NaN at global step STEP, as a
-  blow-up on one rank.
-- DDPTRAIN_TEST_NAN_GRAD=RANK:STEP makes global rank RANK's first gradient NaN at global step
-  STEP while its loss stays finite, as a backward that overflows.
+- DDPTRAIN_TEST_NAN=RANK:STEP[,STEP...] makes global rank RANK's batch NaN at each global step
+  STEP, as a blow-up on one rank.
+- DDPTRAIN_TEST_NAN_GRAD=RANK:STEP[,STEP...] makes global rank RANK's first gradient NaN at
+  each global step STEP while its loss stays finite, as a backward that overflows.
 - DDPTRAIN_TEST_ENOSPC=GLOB makes every write of a file whose name matches GLOB (fnmatch, e.g.
   `checkpoint-000000006.pt`, `config.json`, `metrics.jsonl`, `*.png`, `model_best.dcp`) fail as
   on a full disk, once its bytes are written and before they are committed.
@@ -68,9 +68,15 @@ def kill_point(point: str, step: int) -> None:
     os.kill(os.getpid(), signal.Signals[os.environ.get(SIGNAL, "SIGKILL")])
 
 
+def _asked(variable: str, step: int) -> bool:
+    """Whether `variable` (RANK:STEP[,STEP...]) names this rank and global step."""
+    rank, _, steps = os.environ.get(variable, "").partition(":")
+    return rank == str(_rank) and str(step) in steps.split(",")
+
+
 def poison(images, step: int):
     """images, or NaN in their place where DDPTRAIN_TEST_NAN asks for it at this step."""
-    if os.environ.get(NAN) == f"{_rank}:{step}":
+    if _asked(NAN, step):
         return images * float("nan")
     return images
 
@@ -78,7 +84,7 @@ def poison(images, step: int):
 def poison_gradient(model, step: int) -> None:
     """The first parameter's gradient NaN in this step's backward, where DDPTRAIN_TEST_NAN_GRAD
     asks for it (once: the hook passes gradients through after that)."""
-    if os.environ.get(NAN_GRAD) != f"{_rank}:{step}":
+    if not _asked(NAN_GRAD, step):
         return
     used = []
 

@@ -1,6 +1,7 @@
 """A loss that turns NaN or inf, on 2 ranks under torchrun: every rank agrees, no non-finite
 checkpoint is ever written, and --nonfinite skip drops the bad step on every rank."""
 
+import csv
 import json
 
 from cli import ddptrain, ok, tiny_args, torchrun, training_state
@@ -68,6 +69,25 @@ def test_skip_puts_back_the_batchnorm_statistics_a_bad_batch_moved(tiny_data, tm
     ok(ddptrain(*args, env=poisoned))
     assert [r["skipped"] for r in train_records(tmp_path)] == [1]
     assert weights_finite(training_state(tmp_path))
+
+
+def test_an_epoch_whose_steps_were_all_skipped_has_no_means(tiny_data, tmp_path):
+    # Its sums hold no sample: a loss of 0 and an accuracy of 0 would be a perfect loss and a
+    # worthless model, where there is no measurement at all.
+    poisoned = {"DDPTRAIN_TEST_NAN": "0:1,2,3"}  # each step of the first epoch
+    args = ("train", *tiny_args(tiny_data, tmp_path), "--epochs", 2, "--nonfinite", "skip")
+    result = ok(ddptrain(*args, "--progress", "lines", env=poisoned))
+    assert "lr_scheduler.step()" not in result.stderr  # torch's warning: the first steps dropped
+    first, second = train_records(tmp_path)
+    assert (first["skipped"], first["samples"]) == (3, 0)
+    assert first["loss"] is first["acc1"] is first["acc5"] is None  # null in metrics.jsonl
+    assert second["skipped"] == 0 and second["samples"] == 24 and second["loss"] > 0
+    assert "[3/3] loss - acc1      - acc5      - |" in result.stdout
+    assert "epoch 1/2 done: train loss - acc1 - (" in result.stdout
+    assert "samples/s) (3 steps skipped) | val loss" in result.stdout
+    with open(tmp_path / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0]["train_loss"] == "" and float(rows[1]["train_loss"]) > 0
 
 
 def test_skip_under_powersgd_trains_on_after_the_dropped_step(tiny_data, tmp_path):

@@ -5,6 +5,7 @@ import torch
 
 from ddptrain.errors import UserError
 from ddptrain.report.metrics import MetricsLog, Sums, topk_correct
+from ddptrain.report.progress import shown
 
 
 def test_topk_counts():
@@ -28,6 +29,14 @@ def test_sums_give_sample_weighted_means():
     sums.add(torch.tensor(5.0), out[2:], torch.tensor([0]))  # 1 sample, mean loss 5
     s = sums.summary()
     assert s["samples"] == 3 and s["loss"] == 3.0 and round(s["acc1"], 4) == 66.6667
+
+
+def test_sums_with_no_sample_have_no_means():
+    # Every step skipped (--nonfinite skip): nothing to average, where 0 reads as perfect.
+    s = Sums(torch.device("cpu")).summary()
+    assert s == {"loss": None, "acc1": None, "acc5": None, "samples": 0}
+    assert shown(s["loss"], ".4f") == "-" and shown(s["acc1"], "6.2f") == "     -"
+    assert shown(0.5, "6.2f") == "  0.50"
 
 
 def test_metrics_log_appends_only_on_the_main_rank(tmp_path):

@@ -44,6 +44,17 @@ def test_several_runs_overlay_into_compare_png_in_the_working_directory(tmp_path
     assert data.startswith(PNG) and len(data) > 20_000
 
 
+def test_an_epoch_without_means_is_left_out_of_its_curves(tmp_path):
+    # An epoch whose steps were all skipped (--nonfinite skip) records null means.
+    run = write_metrics(tmp_path / "r", 3)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[0] = json.dumps({**json.loads(lines[0]), "loss": None, "acc1": None, "acc5": None})
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    loss, acc1, *_ = draw([run]).axes
+    assert tuple(loss.lines[0].get_xdata()) == tuple(acc1.lines[0].get_xdata()) == (2, 3)
+    assert tuple(loss.lines[1].get_xdata()) == (1, 2, 3)  # val
+
+
 def test_panels_hold_each_run_and_split_with_titles_units_and_legend(tmp_path):
     a = write_metrics(tmp_path / "a", 3, ema=True)
     b = write_metrics(tmp_path / "b", 2)

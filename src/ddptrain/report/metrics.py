@@ -56,15 +56,13 @@ class Sums:
 
 
 def summarize(totals: torch.Tensor) -> dict[str, float]:
-    """Means from (loss sum, top-1 hits, top-5 hits, samples)."""
+    """Means from (loss sum, top-1 hits, top-5 hits, samples). With no samples (every step so
+    far skipped under --nonfinite skip) each mean is None, null in metrics.jsonl: there is
+    nothing to average, and a 0 would read as a perfect loss."""
     loss, top1, top5, n = totals.tolist()
-    n_safe = max(n, 1)
-    return {
-        "loss": loss / n_safe,
-        "acc1": 100 * top1 / n_safe,
-        "acc5": 100 * top5 / n_safe,
-        "samples": int(n),
-    }
+    if n == 0:
+        return {"loss": None, "acc1": None, "acc5": None, "samples": 0}
+    return {"loss": loss / n, "acc1": 100 * top1 / n, "acc5": 100 * top5 / n, "samples": int(n)}
 
 
 def _gloo(env: DistEnv) -> bool:

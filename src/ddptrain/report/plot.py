@@ -98,7 +98,9 @@ def _panel(ax, runs: dict[str, Curves], colours: list[str], key: str, splits) ->
     values = []
     for colour, curves in zip(colours, runs.values(), strict=True):
         for split in splits:
-            points = [(e, r[key]) for e, r in sorted(curves.get(split, {}).items()) if key in r]
+            epochs = sorted(curves.get(split, {}).items())
+            # None: an epoch with no mean (all its steps skipped under --nonfinite skip)
+            points = [(e, r[key]) for e, r in epochs if r.get(key) is not None]
             if points:
                 epochs, ys = [e for e, _ in points], [y for _, y in points]
                 ax.plot(epochs, ys, SPLITS[split][0], color=colour, marker="o", markersize=3)

@@ -21,10 +21,17 @@ from ddptrain.errors import write_line
 MODES = ("auto", "bar", "lines", "none")
 
 
+def shown(mean: float | None, spec: str) -> str:
+    """A mean as `spec` formats it, or `-` in its width where there is none
+    (metrics.summarize)."""
+    return format(mean, spec) if mean is not None else "-".rjust(int(spec.split(".")[0] or 0))
+
+
 def _line(values: dict) -> str:
     return (
-        f"loss {values['loss']:.4f} acc1 {values['acc1']:6.2f} acc5 {values['acc5']:6.2f} "
-        f"| {values['samples_per_sec']:7.1f} samples/s | data {100 * values['data_wait']:4.1f}%"
+        f"loss {shown(values['loss'], '.4f')} acc1 {shown(values['acc1'], '6.2f')} "
+        f"acc5 {shown(values['acc5'], '6.2f')} | {values['samples_per_sec']:7.1f} samples/s "
+        f"| data {100 * values['data_wait']:4.1f}%"
     )
 
 
@@ -92,7 +99,7 @@ class Bar(Lines):
         pace = (time.perf_counter() - self.started) / max(done, 1)
         left = (self.steps - step + (self.epochs - self.epoch - 1) * self.steps) * pace
         self.bar.set_postfix_str(
-            f"loss {values['loss']:.4f} acc1 {values['acc1']:.2f} "
+            f"loss {shown(values['loss'], '.4f')} acc1 {shown(values['acc1'], '.2f')} "
             f"{values['samples_per_sec']:.1f} samples/s data {100 * values['data_wait']:.0f}% "
             f"run left {_duration(left)}",
             refresh=True,

@@ -2,6 +2,7 @@
 schedule, and the checks between them."""
 
 import contextlib
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -118,8 +119,14 @@ class Step:
 
     def schedule(self) -> None:
         """Schedules move per optimizer step (train/schedule.py), so warmup is smooth and a run
-        resumed mid-epoch continues on the same curve."""
-        if self.scheduler is not None:
+        resumed mid-epoch continues on the same curve. A step dropped by --nonfinite skip moves
+        it too: the schedule counts global steps, as the step numbers of checkpoints do."""
+        if self.scheduler is None:
+            return
+        with warnings.catch_warnings():
+            # torch's "lr_scheduler.step() before optimizer.step()", where the run's first
+            # steps were dropped: the order is right, the update was withheld.
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
             self.scheduler.step()
 
     def __call__(self, images: torch.Tensor, target: torch.Tensor):

@@ -24,6 +24,7 @@ from ddptrain.model.parallelize import reshard_gathered, unwrap
 from ddptrain.model.precision import Precision
 from ddptrain.report.metrics import Sums, summarize
 from ddptrain.report.profile import StepProfiler
+from ddptrain.report.progress import shown
 from ddptrain.report.reporter import Reporter
 from ddptrain.state.checkpointer import Checkpointer, TrainState
 from ddptrain.state.files import numbered
@@ -318,12 +319,14 @@ def fit(run: Run, state: TrainState) -> TrainState:
                 "or smaller images on faster storage"
             )
         ema_text, best_of = "", ""
+        skipped_text = f"({train['skipped']} steps skipped) " if train["skipped"] else ""
         if val_ema is not None:  # and which of the two model_best.pt holds
             ema_text = f" | ema acc1 {val_ema['acc1']:.2f}"
             best_of = " (ema)" if state.best_model == "model_ema" else " (model)"
         reporter.info(
-            f"epoch {state.epoch}/{config.epochs} done: train loss {train['loss']:.4f} "
-            f"acc1 {train['acc1']:.2f} ({train['samples_per_sec']:.1f} samples/s) | val loss "
+            f"epoch {state.epoch}/{config.epochs} done: train loss {shown(train['loss'], '.4f')} "
+            f"acc1 {shown(train['acc1'], '.2f')} ({train['samples_per_sec']:.1f} samples/s) "
+            f"{skipped_text}| val loss "
             f"{val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} "
             f"({val['samples']} images){ema_text} | best acc1 {state.best_acc1:.2f}{best_of}"
         )
