@@ -74,7 +74,7 @@ from ddptrain.train.ema import build_ema
 from ddptrain.train.loss import build_criterion
 from ddptrain.train.optim import build_optimizer, keep_given, rebased, settings
 from ddptrain.train.preempt import StopRequests
-from ddptrain.train.schedule import fast_forward
+from ddptrain.train.schedule import fast_forward, no_warmup_warning
 
 
 def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
@@ -180,6 +180,9 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         )
         if no_room:
             reporter.warn(no_room)
+        no_warmup = no_warmup_warning(config, steps_per_epoch)
+        if no_warmup:
+            reporter.warn(no_warmup)
     if env.is_main:
         crowded = too_many_workers(config.workers, env.local_world_size, usable_cores())
         if crowded:

@@ -10,7 +10,7 @@ from torch import nn, optim
 
 from ddptrain.config import Config
 from ddptrain.train.optim import build_optimizer
-from ddptrain.train.schedule import fast_forward
+from ddptrain.train.schedule import fast_forward, no_warmup_warning
 
 STEPS = 7  # optimizer steps per epoch
 
@@ -67,6 +67,17 @@ def test_step_with_warmup():
         0.4 * warmup_factor(t, warmup, 0.01) * 0.5 ** (t // (4 * STEPS)) for t in range(12 * STEPS)
     ]
     assert_close(curve(config), expected)
+
+
+def test_a_warmup_shorter_than_half_a_step_is_named_as_none():
+    short = Config(lr=0.1, lr_warmup_epochs=0.05, epochs=2)  # 0.35 of a step at STEPS
+    assert curve(short)[0] == 0.1  # no ramp: the full LR from the first step
+    line = no_warmup_warning(short, STEPS)
+    assert line.startswith("--lr-warmup-epochs 0.05 rounds to 0 of the 7 steps per epoch")
+    assert "at least 0.143 for one step" in line
+    assert curve(Config(lr=0.1, lr_warmup_epochs=0.143, epochs=2))[0] < 0.1  # that one ramps
+    assert no_warmup_warning(Config(lr_warmup_epochs=0.1), STEPS) is None  # 0.7: one step
+    assert no_warmup_warning(Config(lr_warmup_epochs=0), STEPS) is None  # none asked for
 
 
 def test_multistep_drops_at_its_epochs_warmup_or_not():

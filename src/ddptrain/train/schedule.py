@@ -34,7 +34,7 @@ def build_scheduler(
     steps_per_epoch: optimizer steps in one epoch (1 for a trainer that steps it per epoch)."""
     assert steps_per_epoch >= 1
     total = config.epochs * steps_per_epoch
-    warmup = round(config.lr_warmup_epochs * steps_per_epoch)
+    warmup = warmup_steps(config, steps_per_epoch)
     kind = config.lr_scheduler
     if kind == "step":
         main = lr_scheduler.StepLR(
@@ -54,6 +54,21 @@ def build_scheduler(
     if kind == "cosine":
         return lr_scheduler.SequentialLR(optimizer, [ramp, main], milestones=[warmup])
     return lr_scheduler.ChainedScheduler([ramp, main], optimizer=optimizer)
+
+
+def warmup_steps(config: Config, steps_per_epoch: int) -> int:
+    return round(config.lr_warmup_epochs * steps_per_epoch)
+
+
+def no_warmup_warning(config: Config, steps_per_epoch: int) -> str | None:
+    """A warmup asked for that rounds to no step: the run would start at the full LR unawares."""
+    if config.lr_warmup_epochs <= 0 or warmup_steps(config, steps_per_epoch) > 0:
+        return None
+    return (
+        f"--lr-warmup-epochs {config.lr_warmup_epochs:g} rounds to 0 of the {steps_per_epoch} "
+        f"steps per epoch: there is no warmup; give at least {1 / steps_per_epoch:.3g} for one "
+        "step"
+    )
 
 
 def fast_forward(scheduler: lr_scheduler.LRScheduler, steps: int) -> None:
