@@ -443,3 +443,17 @@ def test_a_config_json_that_is_not_ddptrains_is_refused_not_overwritten(tmp_path
         assert theirs.read_text() == text
     theirs.write_text(json.dumps({**Config().to_dict(), "resolved": {"world_size": 1}}))
     check_out_dir(tmp_path, None, evaluate=False, auto=True)  # a run's own: resumed
+
+
+@pytest.mark.parametrize("best", ["model_best.pt", "model_best.dcp"])
+def test_an_out_dir_holding_an_earlier_runs_best_alone_is_not_started_over(tmp_path, best):
+    """Its checkpoints deleted to free room, the best model kept: a fresh run there would
+    overwrite it with its own (and drop the earlier run's records)."""
+    kept = tmp_path / best
+    kept.mkdir() if best.endswith(".dcp") else kept.write_bytes(b"weights")
+    with pytest.raises(UserError, match=f"already holds {best} of an earlier run"):
+        check_out_dir(tmp_path, None, evaluate=False, auto=False)
+    with pytest.raises(UserError, match=f"--resume auto: no usable .* holds {best} of an earlier"):
+        check_out_dir(tmp_path, None, evaluate=False, auto=True)
+    check_out_dir(tmp_path, kept, evaluate=False, auto=False)  # --resume model_best.pt: its own
+    check_out_dir(tmp_path, None, evaluate=True, auto=False)  # eval writes no checkpoint

@@ -32,13 +32,16 @@ def check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool, auto: bool
         return
     _check_own_config(out_dir / "config.json")
     checkpoints = numbered(out_dir)
-    earlier = [p for p in [out_dir / LATEST, *checkpoints] if p.exists()]
+    # The best copies too: a run's checkpoints deleted to free room, its model_best stays, and
+    # a fresh run would overwrite it (and its records) with its own.
+    links_and_bests = [files.LATEST, sharded.LATEST, files.BEST, sharded.BEST]
+    earlier = [p for p in [*checkpoints, *(out_dir / n for n in links_and_bests)] if p.exists()]
     continues = resume is not None and any(p.samefile(resume) for p in earlier)
     if earlier and not continues and auto:
         raise UserError(
             f"--resume auto: no usable checkpoint in --out-dir {out_dir} (see the warnings), "
-            f"yet it holds {earlier[0].name}: move the unusable files away, or choose another "
-            "--out-dir"
+            f"yet it holds {earlier[0].name} of an earlier run, which a fresh start would "
+            "overwrite: move it away, or choose another --out-dir"
         )
     if earlier and not continues:
         raise UserError(
