@@ -190,14 +190,23 @@ def flip_a_byte(path, where):
     path.write_bytes(bytes(data))
 
 
+def set_in_directory(path, offset, value):
+    """A byte of the zip's first central-directory entry set to value."""
+    data = bytearray(path.read_bytes())
+    data[data.find(b"PK\x01\x02") + offset] = value
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize(
     "damage",
     [
         lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),  # truncated
         lambda p: flip_a_byte(p, 0.5),  # in tensor data, where torch.load would not notice
         lambda p: p.write_bytes(b""),
+        lambda p: set_in_directory(p, 8, 1),  # reads as encrypted: zipfile's RuntimeError
+        lambda p: set_in_directory(p, 10, 1),  # another compression: NotImplementedError
     ],
-    ids=["truncated", "flipped-byte", "empty"],
+    ids=["truncated", "flipped-byte", "empty", "encrypted-flag", "compression-method"],
 )
 def test_resume_auto_skips_a_damaged_newest_checkpoint_and_names_it(tmp_path, damage):
     save_steps(tmp_path, [4, 8])
@@ -211,6 +220,14 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint_and_names_it(tmp_path, da
     (warning,) = skipped
     assert warning.startswith("--resume auto skips a checkpoint: ")
     assert "checkpoint-000000008.pt" in warning
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_named_as_the_checkpoint_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "checkpoint.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(UserError, match="checkpoint.pt is not a checkpoint: not a regular file"):
+        files.load(fifo)
 
 
 def test_a_checkpoint_of_a_later_format_is_refused_not_skipped(tmp_path):

@@ -377,11 +377,17 @@ def weights_finite(checkpoint: dict) -> bool:
 def _verify(path: Path) -> None:
     """torch.load does not check the CRCs torch.save writes: a flipped bit in tensor data would
     load silently. zipfile checks them, at memory speed."""
+    if path.exists() and not path.is_file():  # a FIFO would block the open for good
+        raise UserError(f"{path} is not a checkpoint: not a regular file")
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
-    except (OSError, zipfile.BadZipFile, EOFError) as err:
-        raise UserError(f"{path} is damaged or not a checkpoint ({err})") from None
+    except Exception as err:  # noqa: BLE001 - a damaged header fails in many ways (below)
+        # Besides BadZipFile, OSError and EOFError, one flipped bit in a central-directory
+        # entry gave, in a trial of each: an "encrypted" file (RuntimeError), another
+        # compression (zlib.error, NotImplementedError), an undecodable name
+        # (UnicodeDecodeError). Each means the file is damaged.
+        raise UserError(f"{path} is damaged or not a checkpoint ({first_line(err)})") from None
     if bad is not None:
         raise UserError(f"{path} is damaged: checksum mismatch in {bad}")
 
