@@ -4,6 +4,7 @@ import contextlib
 import io
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,6 +147,18 @@ def test_leaving_out_keeps_the_order_of_the_rest(bad_data):
     assert train.targets == [label for _, label in train.samples]
     assert loaders.num_val == 14 and loaders.facts["train"]["images"] == 23
     assert loaders.train_sampler.num_samples == 23
+
+
+def test_leaving_out_every_image_of_a_class_is_refused(bad_data):
+    # A val class emptied so scored on nothing (every val class: no val score at all), a train
+    # class emptied trained without a word: as a class folder with no image, refused.
+    config = Config(data=str(bad_data), batch_size=8, workers=0, image_size=16)
+    val = folder.image_folder(bad_data / "val", None)
+    circles = [p for p, label in val.samples if label == val.class_to_idx["circle"]]
+    every = frozenset(f"val/circle/{Path(p).name}" for p in circles)
+    message = f"--bad-images skip leaves no image in {bad_data / 'val' / 'circle'} \\(1 class"
+    with pytest.raises(UserError, match=message):
+        build_data(config, ONE, bad_data, seed=0, leave_out=every)
 
 
 def test_verify_before_training_stops_on_a_bad_image_and_skip_leaves_it_out(bad_data, capsys):

@@ -232,5 +232,12 @@ def leave_out(dataset: ImageFolder, split: str, paths: frozenset[str]) -> None:
     kept = [
         s for s, name in zip(dataset.samples, names, strict=True) if f"{split}/{name}" not in paths
     ]
+    emptied = sorted(set(dataset.class_to_idx.values()) - {label for _, label in kept})
+    if emptied:  # as a class folder with no images is refused (ImageFolder.make_dataset)
+        first = Path(dataset.root) / dataset.classes[emptied[0]]
+        raise UserError(
+            f"--bad-images skip leaves no image in {first} ({len(emptied)} class folder(s) of "
+            f"{split}/ emptied): every image there is bad; replace them"
+        )
     dataset.samples = dataset.imgs = kept
     dataset.targets = [label for _, label in kept]
