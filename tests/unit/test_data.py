@@ -89,6 +89,19 @@ def test_a_class_linked_to_nothing_is_named_not_left_out(tree):
         build(tree)
 
 
+def test_a_link_back_up_is_named_not_walked(tree):
+    """os.walk follows `arrow/loop -> ..` down 40 levels: the images listed again and again,
+    and bar's and circle's labelled arrow."""
+    (tree / "train" / "arrow" / "loop").symlink_to("..")
+    loop = tree / "train" / "arrow" / "loop" / "arrow"
+    with pytest.raises(UserError, match=f"{loop} is a folder already listed: a link loop"):
+        folder.image_folder(tree / "train", None)
+    # A link to a folder outside the class, listed once, is followed as before.
+    (tree / "train" / "arrow" / "loop").unlink()
+    (tree / "train" / "arrow" / "more").symlink_to(tree / "val" / "arrow")
+    assert len(folder.image_folder(tree / "train", None)) == 24 + 5
+
+
 def test_no_class_folders(tree):
     shutil.rmtree(tree / "train")
     (tree / "train").mkdir()

@@ -155,9 +155,15 @@ class ImageFolder(datasets.ImageFolder):
         samples = []
         for name, index in sorted(class_to_idx.items()):
             class_dir = os.path.join(directory, name)
-            walked = []
+            walked, seen = [], set()
             for folder, folders, files in os.walk(class_dir, onerror=_raise, followlinks=True):
                 folders[:] = [f for f in folders if not f.startswith(".")]  # never read: skipped
+                # os.walk follows a link back up (`ln -s .. loop`) until the path is too long,
+                # listing the class's images again and other classes' under this class.
+                place = os.stat(folder)
+                if (place.st_dev, place.st_ino) in seen:
+                    raise OSError(f"{folder} is a folder already listed: a link loop")
+                seen.add((place.st_dev, place.st_ino))
                 walked.append((folder, files))
             found = []
             for folder, files in sorted(walked):
