@@ -338,6 +338,10 @@ class Config:
             builtin = self.data is None and not self.dummy
             size = BUILTIN_IMAGE_SIZE if builtin else DEFAULT_IMAGE_SIZE
             object.__setattr__(self, "image_size", size)
+        if isinstance(self.resume, str) and not self.resume.strip():
+            # None, as the classic example's `if args.resume:` reads it: a script passing
+            # --resume "$CKPT" with CKPT unset starts fresh.
+            object.__setattr__(self, "resume", None)
         self._check()
         self._check_recipe()
         self._check_arch()
@@ -399,6 +403,9 @@ class Config:
             raise UserError("--nproc-per-node goes with --multiprocessing-distributed")
         if isinstance(self.pretrained, str) and not self.pretrained.strip():
             raise UserError("--pretrained FILE: the path is empty")
+        for flag, path in (("--out-dir", self.out_dir), ("DATA", self.data)):
+            if path is not None and not path.strip():  # else the current directory, unsaid
+                raise UserError(f"{flag}: the path is empty")
         if self.strategy != "fsdp" and (self.fsdp_offload or not self.reshard_after_forward):
             flag = "--fsdp-offload" if self.fsdp_offload else "--no-reshard-after-forward"
             raise UserError(f"{flag} goes with --strategy fsdp")
@@ -481,7 +488,7 @@ class Config:
         for flag, value in positive.items():
             if value <= 0:
                 raise UserError(f"{flag} must be positive, got {value}")
-        crop = self.val_crop or self.image_size
+        crop = self.image_size if self.val_crop is None else self.val_crop
         if crop < 16 or (self.val_resize is not None and self.val_resize < crop):
             raise UserError(
                 f"--val-crop must be at least 16 and --val-resize at least the crop; got crop "

@@ -152,6 +152,7 @@ def test_precision_flags():
         ({"auto_augment": "fancy"}, "--auto-augment"),
         ({"interpolation": "lanczos"}, "--interpolation"),
         ({"val_crop": 8}, "--val-crop"),
+        ({"val_crop": 0}, "--val-crop"),  # not the train crop, as a missing one would be
         ({"image_size": 64, "val_resize": 60}, "--val-resize"),
         ({"label_smoothing": 1.0}, "--label-smoothing"),
         ({"mixup_alpha": -1.0}, "--mixup-alpha"),
@@ -174,6 +175,17 @@ def test_precision_flags():
 def test_bad_recipe_values_name_their_flag(overrides, flag):
     with pytest.raises(UserError, match=flag):
         Config(**overrides)
+
+
+def test_empty_paths():
+    # --resume "" is none, as the classic example's `if args.resume:` reads it (a script's
+    # --resume "$CKPT" with CKPT unset); an empty --out-dir or DATA would be the current
+    # directory, unsaid.
+    assert parse(["train", "--resume", ""])[1].resume is None
+    assert parse(["train", "--resume", "auto"])[1].resume == "auto"
+    for args, flag in ((["train", "--out-dir", ""], "--out-dir"), (["train", " "], "DATA")):
+        with pytest.raises(UserError, match=f"^{flag}: the path is empty$"):
+            parse(args)
 
 
 def test_the_recipe_flags_parse():
