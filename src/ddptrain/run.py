@@ -406,8 +406,8 @@ def _prepare(
         seed = int(saved.get("data_seed", seed))
         # The checkpoint's settings under what the flags and --config gave.
         given, config = config, resumed(config, saved.get("config"))
-        check_position(saved, config)
-        if not config.evaluate:  # evaluating on other data is fine
+        if not config.evaluate:  # evaluating another batch or other data is fine
+            check_position(saved, config)
             check_same_leave_out(given, config, resume)
         _check_offload_clipping(config, env)  # with the checkpoint's settings too
     config.check_batch_divides(env.world_size)  # -b is the checkpoint's unless given

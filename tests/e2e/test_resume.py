@@ -180,3 +180,18 @@ def test_a_resume_checks_the_checkpoints_batch_over_the_ranks_not_the_default(ti
     del flags[flags.index("-b") : flags.index("-b") + 2]
     ok(torchrun(3, "train", *flags, "--epochs", 2, "--resume", "auto"))
     assert state(out)["epoch"] == 2 and state(out)["config"]["batch_size"] == 6
+
+
+def test_a_mid_epoch_checkpoint_is_evaluated_with_any_batch(tiny_data, tmp_path):
+    """Evaluation continues no epoch: the mid-epoch position, which only a resume with the same
+    global batch can continue, refused `eval -b 4` of a preempted run's newest checkpoint."""
+    out = tmp_path / "run"
+    ok(ddptrain("train", *tiny_args(tiny_data, out), "--checkpoint-every", 1))
+    mid = out / "checkpoint-000000002.pt"
+    assert torch.load(mid, weights_only=True)["epoch_step"] == 2
+    result = ok(ddptrain("eval", tiny_data, "--resume", mid, "-b", 4, "-j", 0, "--out-dir", out))
+    assert "val: loss" in result.stdout and "(15 images)" in result.stdout
+    flags = tiny_args(tiny_data, tmp_path / "on")  # training on from it needs the same batch
+    flags[flags.index("-b") + 1] = "4"
+    refused = ddptrain("train", *flags, "--resume", mid)
+    assert_user_error(refused, "the checkpoint stopped mid-epoch with global batch 8")
