@@ -124,6 +124,13 @@ def test_data_without_val_is_refused_as_training_would(tiny_data, tmp_path):
         check.check_command(str(tmp_path), workers=0, max_image_pixels=10**8)
 
 
+def test_data_whose_class_folders_differ_is_refused_as_training_would(tiny_data, tmp_path):
+    shutil.copytree(tiny_data, tmp_path / "data")
+    (tmp_path / "data" / "val" / "bar").rename(tmp_path / "data" / "val" / "ball")
+    with pytest.raises(UserError, match=r"differ: only in train: \['bar'\]; only in val: \['ball'"):
+        check.check_command(str(tmp_path / "data"), workers=0, max_image_pixels=10**8)
+
+
 def test_the_check_says_its_lines_through_the_caller_and_prints_nothing_itself(bad_data, capsys):
     said = []
     with pytest.raises(UserError, match="2 of 39 images"):

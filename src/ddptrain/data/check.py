@@ -29,7 +29,13 @@ from pathlib import Path
 from torch.utils.data import DataLoader, Dataset
 
 from ddptrain.config import Config
-from ddptrain.data.folder import image_folder, image_problem, loose_warning, relative_paths
+from ddptrain.data.folder import (
+    check_same_classes,
+    image_folder,
+    image_problem,
+    loose_warning,
+    relative_paths,
+)
 from ddptrain.dist.collectives import agree, check_same, gather_from_all
 from ddptrain.dist.env import DistEnv
 from ddptrain.dist.threads import usable_cores
@@ -123,6 +129,8 @@ def check_command(
             f"DATA: {root} has no {' or '.join(missing)}, which training needs; its "
             f"{len(files)} images decode ({_per_split(None, files)})"
         )
+    # Listed again (seconds, against the decoding's minutes): as training would refuse them.
+    check_same_classes(*(image_folder(root / split, None) for split in SPLITS))
     say(f"all {len(files)} images in {root} decode ({_per_split(None, files)})")
 
 
