@@ -66,6 +66,7 @@ from ddptrain.state.resume import (
     check_same_leave_out,
     check_trainable,
     find_resume,
+    kept_seed,
     load_resumed,
     roll_back,
 )
@@ -433,7 +434,8 @@ def _prepare(
     reporter = Reporter(
         env, out_dir, config.progress, config.tensorboard, done.global_step, config.evaluate
     )
-    for line in [*inert_flags(config), precision.warning, *loaders.warnings]:
+    kept = None if saved is None or config.evaluate else kept_seed(config, saved)
+    for line in [*inert_flags(config), kept, precision.warning, *loaders.warnings]:
         if line:
             reporter.warn(line)
     if saved is None:

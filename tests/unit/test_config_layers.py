@@ -12,6 +12,7 @@ from ddptrain.config import _ACTS_ONLY_WITH, Config, inert_flags, settings
 from ddptrain.config_layers import merge, read, recipes, resumed
 from ddptrain.errors import UserError
 from ddptrain.model.precision import resolve_precision
+from ddptrain.state.resume import kept_seed
 
 
 def write(tmp_path, text, name="run.toml"):
@@ -239,3 +240,18 @@ def test_flags_that_act_on_nothing_are_named_once_the_checkpoint_settings_are_in
 
 def test_the_flags_watched_for_acting_on_nothing_are_settings():
     assert set(_ACTS_ONLY_WITH) <= {f.name for f in settings()}
+
+
+def test_a_seed_given_on_resume_is_named_where_the_run_keeps_another():
+    saved = {"config": Config(seed=0).to_dict(), "data_seed": 0}
+    _, other = parse(["train", "--seed", "5"])
+    assert kept_seed(resumed(other, saved["config"]), saved) == (
+        "--seed 5 does not reseed a resumed run: it keeps its data seed 0 (sample order, "
+        "augmentation) and its random states, to continue exactly"
+    )
+    _, same = parse(["train", "--seed", "0"])  # the command that started it, run again
+    assert kept_seed(resumed(same, saved["config"]), saved) is None
+    _, none = parse(["train"])
+    assert kept_seed(resumed(none, saved["config"]), saved) is None
+    from_file = Config(seed=5, given=frozenset({"seed"}))  # as inert_flags: flags alone
+    assert kept_seed(resumed(from_file, saved["config"]), saved) is None

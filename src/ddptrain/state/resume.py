@@ -128,6 +128,19 @@ def _check_own_config(path: Path) -> None:
         )
 
 
+def kept_seed(config: Config, saved: dict) -> str | None:
+    """A line for a --seed given on resuming a run whose data seed differs: the run keeps its
+    own, so that its sample order and augmentation continue exactly (and its random states come
+    back from the checkpoint), whatever config.json then records as --seed."""
+    data_seed = saved.get("data_seed")
+    if "seed" not in config.on_command_line or data_seed in (None, config.seed):
+        return None
+    return (
+        f"--seed {config.seed} does not reseed a resumed run: it keeps its data seed "
+        f"{data_seed} (sample order, augmentation) and its random states, to continue exactly"
+    )
+
+
 def check_position(saved: dict, config: Config) -> None:
     """A checkpoint taken mid-epoch continues the epoch's sample order at step x global batch:
     that position only exists for the same global batch."""
