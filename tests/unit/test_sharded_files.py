@@ -386,6 +386,55 @@ def test_a_shard_the_disk_cannot_take_is_one_line_and_leaves_the_earlier_checkpo
     assert files.resolve("auto", out_dir) == out_dir / "checkpoint-000000020.dcp"
 
 
+def flip_a_bit(path, where):
+    """One bit flipped at a fraction of the file, or in the first occurrence of some bytes
+    (torch.save's padding between records has no CRC)."""
+    data = bytearray(path.read_bytes())
+    data[data.index(where) if isinstance(where, bytes) else int(len(data) * where)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda f: flip_a_bit(f / "__0_0.distcp", 0.5), "checksum mismatch in its shard __0_0"),
+        (
+            lambda f: (f / "__0_0.distcp").write_bytes(bytes((f / "__0_0.distcp").stat().st_size)),
+            "its shard __0_0.distcp \\(File is not a zip file\\)",
+        ),
+        (
+            lambda f: flip_a_bit(f / "state.pt", b"best_acc1"),
+            "state.pt is damaged: checksum mismatch",
+        ),
+    ],
+    ids=["flipped-bit-in-a-shard", "zeroed-shard", "flipped-bit-in-state"],
+)
+def test_damaged_bytes_in_a_folder_are_found_before_loading(saved, damage, message, tmp_path):
+    """DCP's load checks no CRC: a flipped bit in tensor data loaded silently, and a shard that
+    failed only inside the collective load stopped --resume auto instead of falling back."""
+    out_dir, _, _ = saved
+    newest = out_dir / "checkpoint-000000020.dcp"
+    sharded.verify(newest)  # whole: nothing to say
+    damage(newest)
+    with pytest.raises(UserError, match=message):
+        files.resolve(str(newest), out_dir)  # --resume PATH: before any rank loads it
+    skipped = []
+    assert files.resolve("auto", out_dir, skipped.append).name == "checkpoint-000000010.dcp"
+    assert re.search(message, skipped[0]) and str(newest) in skipped[0]
+    with pytest.raises(UserError, match=message):
+        sharded.convert(newest, tmp_path / "c.pt")
+    assert not (tmp_path / "c.pt").exists()
+
+
+def test_convert_refuses_to_write_into_its_source(saved):
+    out_dir, _, _ = saved
+    folder = out_dir / "checkpoint-000000020.dcp"
+    before = (folder / "state.pt").read_bytes()
+    with pytest.raises(UserError, match="lies inside SRC"):
+        sharded.convert(folder, folder / "state.pt")
+    assert (folder / "state.pt").read_bytes() == before
+
+
 def test_a_shard_overwritten_with_other_bytes_is_named_as_damaged(saved):
     out_dir, _, _ = saved
     folder = out_dir / "checkpoint-000000020.dcp"

@@ -341,6 +341,8 @@ def resolve(
         path = Path(resume)
         if not path.exists():  # a folder is a sharded checkpoint: load says if it is not
             raise UserError(f"--resume: no checkpoint at {path}")
+        if path.is_dir():  # its bytes, here once: every rank loads it (a file checks its own)
+            _verify_sharded(path)
         return path
     tried: list[Path] = []
     latest = out_dir / LATEST
@@ -351,12 +353,23 @@ def resolve(
         try:
             if not weights_finite(load(path, mmap=True)):
                 raise UserError(f"{path} holds non-finite weights")
+            if path.is_dir():
+                _verify_sharded(path)
             return path
         except NewerFormat:
             raise  # resuming an older checkpoint instead would fork the run another wrote
         except UserError as err:
             skipped(f"--resume auto skips a checkpoint: {err}")
     return None
+
+
+def _verify_sharded(folder: Path) -> None:
+    """sharded.verify, once load has said what the folder is (a run's out-dir, a checkpoint
+    without its state.pt) in its own words."""
+    from ddptrain.state import sharded  # it writes through this module
+
+    load(folder)
+    sharded.verify(folder)
 
 
 def weights_finite(checkpoint: dict) -> bool:
@@ -374,7 +387,7 @@ def weights_finite(checkpoint: dict) -> bool:
     )
 
 
-def _verify(path: Path) -> None:
+def verify(path: Path) -> None:
     """torch.load does not check the CRCs torch.save writes: a flipped bit in tensor data would
     load silently. zipfile checks them, at memory speed."""
     if path.exists() and not path.is_file():  # a FIFO would block the open for good
@@ -414,7 +427,7 @@ def load(path: Path, mmap: bool = False) -> dict:
         from ddptrain.state import sharded  # it writes through this module
 
         return sharded.read(path)
-    _verify(path)
+    verify(path)
     checkpoint = safe_load(path, "ddptrain checkpoint", mmap=mmap)
     if not isinstance(checkpoint, dict) or "model" not in checkpoint:
         raise UserError(f"{path} is not a ddptrain checkpoint (no 'model' entry)")
