@@ -332,6 +332,9 @@ class Config:
     # which the run warns of where they act on nothing (inert_flags).
     given: frozenset = field(default=frozenset(), compare=False, repr=False)
     on_command_line: frozenset = field(default=frozenset(), compare=False, repr=False)
+    # True while the settings of the checkpoint --resume names are still to come in under these
+    # (cli.parse); `settled` ends the wait.
+    checkpoint_pending: bool = field(default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.image_size is None:
@@ -344,6 +347,8 @@ class Config:
             object.__setattr__(self, "resume", None)
         self._check()
         self._check_recipe()
+        if not self.checkpoint_pending:
+            self._check_combinations()
         self._check_arch()
 
     def _check(self) -> None:
@@ -406,32 +411,10 @@ class Config:
         for flag, path in (("--out-dir", self.out_dir), ("DATA", self.data)):
             if path is not None and not path.strip():  # else the current directory, unsaid
                 raise UserError(f"{flag}: the path is empty")
-        if self.strategy != "fsdp" and (self.fsdp_offload or not self.reshard_after_forward):
-            flag = "--fsdp-offload" if self.fsdp_offload else "--no-reshard-after-forward"
-            raise UserError(f"{flag} goes with --strategy fsdp")
-        ddp_only = {
-            "--ddp-comm-hook": self.ddp_comm_hook != "none",
-            "--bucket-cap-mb": self.bucket_cap_mb is not None,
-            "--static-graph": self.static_graph,
-        }
-        for flag, given in ddp_only.items():
-            if given and self.strategy == "fsdp":
-                raise UserError(f"{flag} goes with --strategy ddp (fsdp has no DDP reducer)")
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             raise UserError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
         if self.powersgd_rank < 1 or self.powersgd_start_step < 2:
             raise UserError("--powersgd-rank must be at least 1 and --powersgd-start-step 2")
-        if self.ddp_comm_hook == "powersgd" and self.static_graph:
-            raise UserError(
-                "--ddp-comm-hook powersgd with --static-graph: a static graph lets DDP rebuild "
-                "its buckets, which would make a resumed run differ; drop --static-graph"
-            )
-        if self.ddp_comm_hook == "powersgd" and self.amp == "fp16":
-            raise UserError(
-                "--ddp-comm-hook powersgd with --amp fp16: the gradient scaler's overflowing "
-                "steps would feed inf into PowerSGD's error feedback, which keeps it for every "
-                "later step; use --amp bf16 or another hook"
-            )
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UserError(f"--clip-grad-norm must be positive, got {self.clip_grad_norm}")
         if self.evaluate and not (self.resume or self.pretrained):
@@ -488,6 +471,36 @@ class Config:
         for flag, value in positive.items():
             if value <= 0:
                 raise UserError(f"{flag} must be positive, got {value}")
+        milestones = self.lr_milestones
+        if any(m < 1 for m in milestones) or list(milestones) != sorted(set(milestones)):
+            raise UserError(f"--lr-milestones must rise and be >= 1, got {list(milestones)}")
+
+    def _check_combinations(self) -> None:
+        """The settings that must agree with each other. They wait while a checkpoint's
+        settings may still come in under the flags (`checkpoint_pending`): `--fsdp-offload`
+        resuming an fsdp run, `--val-resize` evaluating a 16 px one."""
+        if self.strategy != "fsdp" and (self.fsdp_offload or not self.reshard_after_forward):
+            flag = "--fsdp-offload" if self.fsdp_offload else "--no-reshard-after-forward"
+            raise UserError(f"{flag} goes with --strategy fsdp")
+        ddp_only = {
+            "--ddp-comm-hook": self.ddp_comm_hook != "none",
+            "--bucket-cap-mb": self.bucket_cap_mb is not None,
+            "--static-graph": self.static_graph,
+        }
+        for flag, given in ddp_only.items():
+            if given and self.strategy == "fsdp":
+                raise UserError(f"{flag} goes with --strategy ddp (fsdp has no DDP reducer)")
+        if self.ddp_comm_hook == "powersgd" and self.static_graph:
+            raise UserError(
+                "--ddp-comm-hook powersgd with --static-graph: a static graph lets DDP rebuild "
+                "its buckets, which would make a resumed run differ; drop --static-graph"
+            )
+        if self.ddp_comm_hook == "powersgd" and self.amp == "fp16":
+            raise UserError(
+                "--ddp-comm-hook powersgd with --amp fp16: the gradient scaler's overflowing "
+                "steps would feed inf into PowerSGD's error feedback, which keeps it for every "
+                "later step; use --amp bf16 or another hook"
+            )
         crop = self.image_size if self.val_crop is None else self.val_crop
         if crop < 16 or (self.val_resize is not None and self.val_resize < crop):
             raise UserError(
@@ -496,16 +509,20 @@ class Config:
             )
         if self.opt == "sgd-nesterov" and self.momentum <= 0:
             raise UserError("--opt sgd-nesterov needs --momentum above 0")
-        milestones = self.lr_milestones
-        if self.lr_scheduler == "multistep" and not milestones:
+        if self.lr_scheduler == "multistep" and not self.lr_milestones:
             raise UserError("--lr-scheduler multistep needs --lr-milestones EPOCH [EPOCH ...]")
-        if any(m < 1 for m in milestones) or list(milestones) != sorted(set(milestones)):
-            raise UserError(f"--lr-milestones must rise and be >= 1, got {list(milestones)}")
         if self.lr_scheduler == "cosine" and 0 < self.epochs <= self.lr_warmup_epochs:
             raise UserError(
                 f"--lr-warmup-epochs {self.lr_warmup_epochs:g} leaves no epochs of --epochs "
                 f"{self.epochs} for the cosine schedule"
             )
+
+    def settled(self) -> "Config":
+        """This config once no checkpoint's settings are still to come in (they are in, or
+        there are none): the checks that waited for them run now."""
+        if not self.checkpoint_pending:
+            return self
+        return dataclasses.replace(self, checkpoint_pending=False)
 
     def check_batch_divides(self, world_size: int) -> None:
         if self.batch_size % world_size:
@@ -531,8 +548,9 @@ class Config:
 
 
 def settings() -> tuple[dataclasses.Field, ...]:
-    """The fields that are settings (all but `given` and `on_command_line`)."""
-    layers = ("given", "on_command_line")
+    """The fields that are settings (all but `given`, `on_command_line` and
+    `checkpoint_pending`)."""
+    layers = ("given", "on_command_line", "checkpoint_pending")
     return tuple(f for f in dataclasses.fields(Config) if f.name not in layers)
 
 

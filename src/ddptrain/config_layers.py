@@ -138,7 +138,12 @@ def merge(
     below = from_record(saved or {}, "the checkpoint's config")
     if on_command_line is None:
         on_command_line = frozenset(flags)
-    layers = dict(given=frozenset(user), on_command_line=on_command_line)
+    # A checkpoint to resume, its settings not in yet: the checks of settings against each
+    # other wait for them (Config.settled).
+    pending = not saved and bool(user.get("resume"))
+    layers = dict(
+        given=frozenset(user), on_command_line=on_command_line, checkpoint_pending=pending
+    )
     try:
         return Config(**_overlay(below, user, "command line"), **layers)
     except UserError as err:

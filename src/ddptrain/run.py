@@ -411,6 +411,7 @@ def _prepare(
             check_position(saved, config)
             check_same_leave_out(given, config, resume)
         _check_offload_clipping(config, env)  # with the checkpoint's settings too
+    config = config.settled()
     config.check_batch_divides(env.world_size)  # -b is the checkpoint's unless given
     if config.tensorboard and not config.evaluate:  # eval writes no events
         require_tensorboard()  # on every rank, so that every rank stops when it is missing

@@ -195,3 +195,17 @@ def test_a_mid_epoch_checkpoint_is_evaluated_with_any_batch(tiny_data, tmp_path)
     flags[flags.index("-b") + 1] = "4"
     refused = ddptrain("train", *flags, "--resume", mid)
     assert_user_error(refused, "the checkpoint stopped mid-epoch with global batch 8")
+
+
+def test_a_flag_checked_against_a_setting_the_checkpoint_holds_meets_the_checkpoints(
+    tiny_data, tmp_path
+):
+    """`eval --val-resize 20` of a 16 px run was refused against the default 224 px crop,
+    before the checkpoint's --image-size came in."""
+    out = tmp_path / "run"
+    ok(ddptrain("train", *tiny_args(tiny_data, out)))
+    args = ("eval", tiny_data, "--resume", out / "checkpoint.pt", "-j", 0, "--out-dir", out)
+    result = ok(ddptrain(*args, "--val-resize", 20))
+    assert "(15 images)" in result.stdout
+    refused = ddptrain(*args, "--val-resize", 12)  # below the checkpoint's crop: still refused
+    assert_user_error(refused, "--val-resize at least the crop; got crop 16, resize 12")

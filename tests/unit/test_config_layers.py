@@ -255,3 +255,23 @@ def test_a_seed_given_on_resume_is_named_where_the_run_keeps_another():
     assert kept_seed(resumed(none, saved["config"]), saved) is None
     from_file = Config(seed=5, given=frozenset({"seed"}))  # as inert_flags: flags alone
     assert kept_seed(resumed(from_file, saved["config"]), saved) is None
+
+
+def test_settings_checked_against_each_other_wait_for_the_checkpoints():
+    """The layers are defaults < checkpoint < file < flags: `--fsdp-offload` resuming an fsdp
+    run was refused against the default --strategy ddp, before the checkpoint's was in."""
+    flags = ["train", "--resume", "run/checkpoint.pt", "--fsdp-offload", "--val-resize", "20"]
+    _, waiting = parse(flags)
+    assert waiting.checkpoint_pending and "checkpoint_pending" not in waiting.to_dict()
+    fsdp_16px = {**Config().to_dict(), "strategy": "fsdp", "image_size": 16}
+    merged = resumed(waiting, fsdp_16px)
+    assert not merged.checkpoint_pending and merged.fsdp_offload and merged.val_resize == 20
+    assert merged.settled() is merged
+    with pytest.raises(UserError, match="--fsdp-offload goes with --strategy fsdp"):
+        resumed(waiting, {**fsdp_16px, "strategy": "ddp"})
+    with pytest.raises(UserError, match="--fsdp-offload goes with --strategy fsdp"):
+        waiting.settled()  # no checkpoint found (--resume auto): the defaults stay
+    with pytest.raises(UserError, match="--fsdp-offload goes with --strategy fsdp"):
+        parse(["train", "--fsdp-offload"])  # nothing to wait for
+    with pytest.raises(UserError, match="--lr-milestones must rise"):
+        parse([*flags, "--lr-milestones", "3", "2"])  # one setting alone: at once
