@@ -10,6 +10,7 @@ Setup runs in three phases so that a user error on any rank ends every rank:
    shards), restore the checkpoint into them.
 """
 
+import dataclasses
 import os
 import random
 import secrets
@@ -69,6 +70,7 @@ from ddptrain.state.resume import (
     kept_seed,
     load_resumed,
     roll_back,
+    saved_data,
 )
 from ddptrain.train import trainer
 from ddptrain.train.ema import build_ema
@@ -118,8 +120,11 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
     if seeded:
         _seed_everything(config.seed, env)
 
-    # --verify-images, --bad-images skip
-    leave_out = images_to_leave_out(config, env, say, counting)
+    # --verify-images, --bad-images skip, of DATA as given or as the resumed run's
+    data = config.data
+    if data is None and resume is not None:
+        data = from_rank0(env, lambda: saved_data(resume))
+    leave_out = images_to_leave_out(dataclasses.replace(config, data=data), env, say, counting)
     config, loaders, model, precision, saved, seed, reporter = agree(
         env, lambda: _prepare(config, env, out_dir, seed, resume, leave_out)
     )

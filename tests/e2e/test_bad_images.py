@@ -85,6 +85,13 @@ def test_skip_trains_on_the_good_images_and_resumes_mid_epoch_bitwise(bad_data, 
     # Resumed without the flag: one line, not "trained on 23 train images, and DATA has 24".
     forgot = ddptrain("train", *tiny_args(bad_data, straight), "--resume", "auto", "--epochs", 3)
     assert_user_error(forgot, "was trained with --bad-images skip: give it again")
+    # Without DATA, the checkpoint's DATA is checked: before, nothing was, and the 24 files
+    # listed against the 23 trained on stopped the run as changed data.
+    further = shutil.copytree(straight, tmp_path / "further")
+    no_data = tiny_args(bad_data, further)[1:]
+    on = ok(ddptrain("train", *no_data, "--resume", "auto", "--epochs", 3, "--bad-images", "skip"))
+    assert "2 bad images left out (1 of 24 train, 1 of 15 val)" in on.stdout
+    assert training_state(further)["global_step"] == 6
 
     # Rank 1 dies before step 4; the restart resumes from step 3, mid-epoch 2.
     kill = {"DDPTRAIN_TEST_KILL": "between:1:4", "DDPTRAIN_TEST_KILL_ONCE": str(marker)}

@@ -128,6 +128,18 @@ def _check_own_config(path: Path) -> None:
         )
 
 
+def saved_data(path: Path) -> str | None:
+    """The DATA of the run a checkpoint continues (its config's), read without its tensors, or
+    None: it has none (the built-in data set), or the checkpoint cannot say, which its load
+    proper then names."""
+    source = path / sharded.STATE if path.is_dir() else path
+    try:
+        data = files.safe_load(source, "ddptrain checkpoint", mmap=True)["config"]["data"]
+    except Exception:  # noqa: BLE001 - whatever is wrong, load names it in its own words
+        return None
+    return data if isinstance(data, str) else None
+
+
 def kept_seed(config: Config, saved: dict) -> str | None:
     """A line for a --seed given on resuming a run whose data seed differs: the run keeps its
     own, so that its sample order and augmentation continue exactly (and its random states come
