@@ -74,4 +74,15 @@ def test_another_programs_metrics_file_is_refused_not_rewritten(tmp_path, theirs
     log.path.write_text(theirs)
     with pytest.raises(UserError, match=r"metrics.jsonl: line 1 is not a ddptrain record"):
         log.keep_until(0)  # a fresh run's start
+    with pytest.raises(UserError, match=r"metrics.jsonl: line 1 is not a ddptrain record"):
+        log.check_own()  # `eval`, before appending its record
     assert log.path.read_text() == theirs
+
+
+def test_eval_appends_to_a_runs_own_metrics_file(tmp_path):
+    log = MetricsLog(tmp_path, enabled=True)
+    log.check_own()  # none there yet
+    log.write({"split": "val", "epoch": 1})
+    with open(log.path, "a") as f:
+        f.write('{"split": "tra')  # torn by a crash mid-append: the run's own
+    log.check_own()

@@ -109,19 +109,32 @@ class MetricsLog:
         them but before the checkpoint it resumes from, which would otherwise appear twice."""
         if not (self.enabled and self.path.exists()):
             return
+        lines, epochs, torn = self._records()
+        kept = [line for line, e in zip(lines, epochs, strict=True) if e <= epoch]
+        if torn or len(kept) < len(lines):
+            atomic_write(self.path, b"".join(kept))
+
+    def check_own(self) -> None:
+        """Refuses to append to a metrics.jsonl another program wrote (as keep_until does):
+        `eval`, whose out-dir need not be a training run's."""
+        if self.enabled and self.path.exists():
+            self._records()
+
+    def _records(self) -> tuple[list[bytes], list[int], bool]:
+        """The file's whole lines, the epoch of each, and whether a torn line followed them;
+        or a UserError where a line is not a ddptrain record. A crash mid-append leaves a last
+        line without its newline (every record begins as that one does)."""
         lines = self.path.read_bytes().splitlines(keepends=True)
-        # A crash mid-append leaves a last line without its newline; every record begins so.
         torn = lines and not lines[-1].endswith(b"\n") and lines[-1].startswith(b'{"split": ')
-        whole = lines[:-1] if torn else lines
-        epochs = [_epoch_of(line) for line in whole]
+        if torn:
+            lines = lines[:-1]
+        epochs = [_epoch_of(line) for line in lines]
         if None in epochs:
             raise UserError(
                 f"{self.path}: line {epochs.index(None) + 1} is not a ddptrain record: the "
                 "--out-dir holds another program's file; move it away or choose another --out-dir"
             )
-        kept = [line for line, e in zip(whole, epochs, strict=True) if e <= epoch]
-        if len(kept) < len(lines):
-            atomic_write(self.path, b"".join(kept))
+        return lines, epochs, bool(torn)
 
 
 def _epoch_of(line: bytes) -> int | None:

@@ -34,7 +34,9 @@ class Reporter:
         self.sinks: list = []
         if self.main and out_dir is not None:
             self.sinks = [MetricsLog(out_dir, True)]
-            if not evaluating:
+            if evaluating:  # training checks it as it resumes (keep_until)
+                self.sinks[0].check_own()
+            else:
                 self.sinks.append(SummaryCsv(out_dir, True))
                 if tensorboard:
                     self.sinks.append(TensorBoardSink(out_dir, True, after_step=resumed_step))
