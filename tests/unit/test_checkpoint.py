@@ -222,6 +222,33 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint_and_names_it(tmp_path, da
     assert "checkpoint-000000008.pt" in warning
 
 
+@pytest.mark.parametrize(
+    "entry, value, named",
+    [
+        ("model", 5, "its 'model' is of type int"),
+        ("config", "x", "its 'config' is of type str"),
+        ("epoch", "abc", "its 'epoch' is of type str"),
+        ("optimizer", [1, 2], "its 'optimizer' is of type list"),
+        ("best_acc1", "x", "its 'best_acc1' is of type str"),
+        ("global_step", True, "its 'global_step' is of type bool"),
+        ("model", {"fc.weight": "not a tensor"}, "its weight 'fc.weight' is no tensor"),
+    ],
+)
+def test_a_checkpoint_whose_entries_are_not_what_ddptrain_wrote_is_named(
+    tmp_path, entry, value, named
+):
+    """Each loaded (plain data), then ended in a traceback inside whichever reader took it
+    apart; --resume auto passes over it as over a damaged one."""
+    save_steps(tmp_path, [4, 8])
+    newest = tmp_path / "checkpoint-000000008.pt"
+    torch.save({**torch.load(newest, weights_only=True), entry: value}, newest)
+    with pytest.raises(
+        UserError, match=f"checkpoint-000000008.pt is not a ddptrain checkpoint: {named}"
+    ):
+        files.load(newest)
+    assert files.resolve("auto", tmp_path, lambda warning: None).name == "checkpoint-000000004.pt"
+
+
 @pytest.mark.timeout(30)
 def test_a_fifo_named_as_the_checkpoint_is_refused_not_waited_on(tmp_path):
     fifo = tmp_path / "checkpoint.pt"

@@ -439,11 +439,31 @@ class NewerFormat(UserError):
     """A checkpoint of a later format than this ddptrain reads."""
 
 
+# What each entry its readers take apart must be, where present: a file made by hand, or damaged
+# inside a pickle that still loads, otherwise ends in a traceback deep inside them.
+ENTRY_TYPES = {
+    "model": dict,
+    "model_ema": dict,
+    "optimizer": dict,
+    "config": dict,
+    "class_to_idx": dict,
+    "data_facts": dict,
+    "arch": str,
+    "best_model": str,
+    "epoch": int,
+    "global_step": int,
+    "epoch_step": int,
+    "num_classes": int,
+    "data_seed": int,
+    "best_acc1": (int, float),
+}
+
+
 def check_format(checkpoint: dict, path: Path) -> None:
     """A checkpoint of a later format is refused: this ddptrain would read the parts it knows
     and quietly drop or misread the rest (as a ddptrain from before the EMA's weights were
     sharded restarts the EMA of a folder that shards them). Earlier formats are read as they
-    were written."""
+    were written. Then each entry is checked against ENTRY_TYPES, the weights as tensors."""
     version = checkpoint.get("format_version", 1)
     if type(version) is not int or version < 1:  # bool is an int too
         raise UserError(f"{path} is not a ddptrain checkpoint (format_version {version!r})")
@@ -452,3 +472,14 @@ def check_format(checkpoint: dict, path: Path) -> None:
             f"{path} was written by a newer ddptrain (checkpoint format {version}; this one "
             f"reads formats 1 to {FORMAT_VERSION}): use that ddptrain or a later one"
         )
+    for key, kind in ENTRY_TYPES.items():
+        value = checkpoint.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            kind_found = type(value).__name__
+            raise UserError(
+                f"{path} is not a ddptrain checkpoint: its {key!r} is of type {kind_found}"
+            )
+    weights = checkpoint.get("model") or {}
+    odd = next((name for name, value in weights.items() if not torch.is_tensor(value)), None)
+    if odd is not None:
+        raise UserError(f"{path} is not a ddptrain checkpoint: its weight {odd!r} is no tensor")
