@@ -93,11 +93,17 @@ def test_a_link_back_up_is_named_not_walked(tree):
     """os.walk follows `arrow/loop -> ..` down 40 levels: the images listed again and again,
     and bar's and circle's labelled arrow."""
     (tree / "train" / "arrow" / "loop").symlink_to("..")
-    loop = tree / "train" / "arrow" / "loop" / "arrow"
-    with pytest.raises(UserError, match=f"{loop} is a folder already listed: a link loop"):
+    loop = tree / "train" / "arrow" / "loop"  # train/ again: the first class under it named
+    with pytest.raises(UserError, match=rf"{loop}/(\w+) is {tree / 'train'}/\1, listed already"):
         folder.image_folder(tree / "train", None)
-    # A link to a folder outside the class, listed once, is followed as before.
+    # Into another class: its images would be listed under this one too.
     (tree / "train" / "arrow" / "loop").unlink()
+    (tree / "train" / "arrow" / "bars").symlink_to(tree / "train" / "bar")
+    bars = tree / "train" / "arrow" / "bars"
+    with pytest.raises(UserError, match=f"{bars} is {tree / 'train' / 'bar'}, listed already"):
+        folder.image_folder(tree / "train", None)
+    # A link to a folder outside the split, listed once, is followed as before.
+    bars.unlink()
     (tree / "train" / "arrow" / "more").symlink_to(tree / "val" / "arrow")
     assert len(folder.image_folder(tree / "train", None)) == 24 + 5
 

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddptrain.config import Config
 from ddptrain.data.folder import (
+    ImageFolder,
     check_same_classes,
     image_folder,
     image_problem,
@@ -54,16 +55,23 @@ def _uncounted(total: int, what: str, unit: str):
     return contextlib.nullcontext(lambda n: None)
 
 
-def list_images(root: Path, splits=SPLITS, say=_quiet) -> list[str]:
-    """The image files of root's splits as `split/class/file`, in ImageFolder's sorted order;
-    says which images no class folder holds (training leaves them out)."""
-    files = []
-    for split in splits:
-        dataset = image_folder(root / split, None)
+def split_folders(root: Path, splits=SPLITS, say=_quiet) -> dict[str, ImageFolder]:
+    """root's splits as ImageFolders; says which images no class folder holds (training
+    leaves them out)."""
+    folders = {split: image_folder(root / split, None) for split in splits}
+    for dataset in folders.values():
         if line := loose_warning(dataset):
             say(f"warning: {line}", stderr=True)
-        files += [f"{split}/{name}" for name in relative_paths(dataset)]
-    return files
+    return folders
+
+
+def list_images(root: Path, splits=SPLITS, say=_quiet) -> list[str]:
+    """The image files of root's splits as `split/class/file`, in ImageFolder's sorted order."""
+    return _names(split_folders(root, splits, say))
+
+
+def _names(folders: dict[str, ImageFolder]) -> list[str]:
+    return [f"{split}/{name}" for split, data in folders.items() for name in relative_paths(data)]
 
 
 class _Problems(Dataset):
@@ -113,7 +121,8 @@ def check_command(
     splits = [split for split in SPLITS if (root / split).is_dir()]
     if not splits:
         raise UserError(f"DATA: {root} holds neither train/ nor val/")
-    files = list_images(root, splits, say)
+    folders = split_folders(root, splits, say)
+    files = _names(folders)
     workers = usable_cores() if workers is None else workers
     bad = find_bad(root, files, workers, max_image_pixels, counting)
     for path, reason in bad:
@@ -129,8 +138,7 @@ def check_command(
             f"DATA: {root} has no {' or '.join(missing)}, which training needs; its "
             f"{len(files)} images decode ({_per_split(None, files)})"
         )
-    # Listed again (seconds, against the decoding's minutes): as training would refuse them.
-    check_same_classes(*(image_folder(root / split, None) for split in SPLITS))
+    check_same_classes(folders["train"], folders["val"])  # as training would refuse them
     say(f"all {len(files)} images in {root} decode ({_per_split(None, files)})")
 
 
@@ -141,8 +149,7 @@ def images_to_leave_out(
     skip leaves out, the same on every rank; with error, a bad file stops every rank. Nothing
     to do for the built-in data set and --dummy. A collective: every rank calls it. Rank 0
     shows the bad files (stderr), its bar and the verdict (stdout) through say and counting."""
-    wanted = config.verify_images or config.bad_images == "skip"
-    if not wanted or config.data is None or config.dummy:
+    if not config.checks_images or config.data is None or config.dummy:
         return frozenset()
     if not env.is_main:  # other ranks stay quiet
         say, counting = _quiet, _uncounted

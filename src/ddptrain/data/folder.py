@@ -152,18 +152,32 @@ class ImageFolder(datasets.ImageFolder):
             hidden = below.startswith(".") or os.sep + "." in below
             return not hidden and has_file_allowed_extension(path, EXTENSIONS)
 
+        # Each folder once: os.walk follows a link back up (`ln -s .. loop`) until the path is
+        # too long, and a link into another class, listing images again or under the wrong
+        # class.
+        seen: dict[tuple[int, int], str] = {}
+
+        def list_once(folder: str) -> None:
+            found = os.stat(folder)
+            where = found.st_dev, found.st_ino
+            if where in seen:
+                raise OSError(
+                    f"{folder} is {seen[where]}, listed already (a link loop, or a second link "
+                    "to one folder)"
+                )
+            seen[where] = folder
+
+        class_dirs = {name: os.path.join(directory, name) for name in class_to_idx}
+        for class_dir in class_dirs.values():
+            list_once(class_dir)
         samples = []
         for name, index in sorted(class_to_idx.items()):
-            class_dir = os.path.join(directory, name)
-            walked, seen = [], set()
+            class_dir = class_dirs[name]
+            walked = []
             for folder, folders, files in os.walk(class_dir, onerror=_raise, followlinks=True):
                 folders[:] = [f for f in folders if not f.startswith(".")]  # never read: skipped
-                # os.walk follows a link back up (`ln -s .. loop`) until the path is too long,
-                # listing the class's images again and other classes' under this class.
-                place = os.stat(folder)
-                if (place.st_dev, place.st_ino) in seen:
-                    raise OSError(f"{folder} is a folder already listed: a link loop")
-                seen.add((place.st_dev, place.st_ino))
+                if folder != class_dir:
+                    list_once(folder)
                 walked.append((folder, files))
             found = []
             for folder, files in sorted(walked):

@@ -62,7 +62,7 @@ def build_train_transform(config: Config) -> v2.Compose:
 def val_sizes(config: Config) -> tuple[int, int]:
     """(resize, crop) of validation images: --val-resize and --val-crop, by default
     round(crop / 0.875) and --image-size."""
-    crop = config.val_crop or config.image_size
+    crop = config.eval_crop
     return config.val_resize or round(crop / VAL_CROP_RATIO), crop
 
 
