@@ -501,7 +501,7 @@ class Config:
                 "steps would feed inf into PowerSGD's error feedback, which keeps it for every "
                 "later step; use --amp bf16 or another hook"
             )
-        crop = self.image_size if self.val_crop is None else self.val_crop
+        crop = self.eval_crop
         if crop < 16 or (self.val_resize is not None and self.val_resize < crop):
             raise UserError(
                 f"--val-crop must be at least 16 and --val-resize at least the crop; got crop "
@@ -516,6 +516,16 @@ class Config:
                 f"--lr-warmup-epochs {self.lr_warmup_epochs:g} leaves no epochs of --epochs "
                 f"{self.epochs} for the cosine schedule"
             )
+
+    @property
+    def checks_images(self) -> bool:
+        """Every image of DATA is decoded before training (data/check.py)."""
+        return self.verify_images or self.bad_images == "skip"
+
+    @property
+    def eval_crop(self) -> int:
+        """The centre crop of evaluation: --val-crop, else the train crop."""
+        return self.image_size if self.val_crop is None else self.val_crop
 
     def settled(self) -> "Config":
         """This config once no checkpoint's settings are still to come in (they are in, or

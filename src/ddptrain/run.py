@@ -122,7 +122,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
 
     # --verify-images, --bad-images skip, of DATA as given or as the resumed run's
     data = config.data
-    if data is None and resume is not None:
+    if data is None and resume is not None and config.checks_images:
         data = from_rank0(env, lambda: saved_data(resume))
     leave_out = images_to_leave_out(dataclasses.replace(config, data=data), env, say, counting)
     config, loaders, model, precision, saved, seed, reporter = agree(

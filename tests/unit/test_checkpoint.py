@@ -495,9 +495,9 @@ def test_an_out_dir_holding_an_earlier_runs_best_alone_is_not_started_over(tmp_p
     overwrite it with its own (and drop the earlier run's records)."""
     kept = tmp_path / best
     kept.mkdir() if best.endswith(".dcp") else kept.write_bytes(b"weights")
-    with pytest.raises(UserError, match=f"already holds {best} of an earlier run"):
-        check_out_dir(tmp_path, None, evaluate=False, auto=False)
-    with pytest.raises(UserError, match=f"--resume auto: no usable .* holds {best} of an earlier"):
-        check_out_dir(tmp_path, None, evaluate=False, auto=True)
+    message = f"holds {best} of an earlier run and no checkpoint: this run would overwrite it"
+    for auto in (False, True):
+        with pytest.raises(UserError, match=message):
+            check_out_dir(tmp_path, None, evaluate=False, auto=auto)
     check_out_dir(tmp_path, kept, evaluate=False, auto=False)  # --resume model_best.pt: its own
     check_out_dir(tmp_path, None, evaluate=True, auto=False)  # eval writes no checkpoint

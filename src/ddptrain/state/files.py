@@ -342,7 +342,7 @@ def resolve(
         if not path.exists():  # a folder is a sharded checkpoint: load says if it is not
             raise UserError(f"--resume: no checkpoint at {path}")
         if path.is_dir():  # its bytes, here once: every rank loads it (a file checks its own)
-            _verify_sharded(path)
+            _sharded().verify(path)
         return path
     tried: list[Path] = []
     latest = out_dir / LATEST
@@ -354,7 +354,7 @@ def resolve(
             if not weights_finite(load(path, mmap=True)):
                 raise UserError(f"{path} holds non-finite weights")
             if path.is_dir():
-                _verify_sharded(path)
+                _sharded().verify(path)
             return path
         except NewerFormat:
             raise  # resuming an older checkpoint instead would fork the run another wrote
@@ -363,13 +363,11 @@ def resolve(
     return None
 
 
-def _verify_sharded(folder: Path) -> None:
-    """sharded.verify, once load has said what the folder is (a run's out-dir, a checkpoint
-    without its state.pt) in its own words."""
-    from ddptrain.state import sharded  # it writes through this module
+def _sharded():
+    """The sharded format's module, imported when first needed: it writes through this one."""
+    from ddptrain.state import sharded
 
-    load(folder)
-    sharded.verify(folder)
+    return sharded
 
 
 def weights_finite(checkpoint: dict) -> bool:
@@ -424,9 +422,7 @@ def safe_load(path: Path, what: str, mmap: bool = False) -> object:
 
 def load(path: Path, mmap: bool = False) -> dict:
     if path.is_dir():
-        from ddptrain.state import sharded  # it writes through this module
-
-        return sharded.read(path)
+        return _sharded().read(path)
     verify(path)
     checkpoint = safe_load(path, "ddptrain checkpoint", mmap=mmap)
     if not isinstance(checkpoint, dict) or "model" not in checkpoint:

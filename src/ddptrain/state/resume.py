@@ -37,6 +37,11 @@ def check_out_dir(out_dir: Path, resume: Path | None, evaluate: bool, auto: bool
     links_and_bests = [files.LATEST, sharded.LATEST, files.BEST, sharded.BEST]
     earlier = [p for p in [*checkpoints, *(out_dir / n for n in links_and_bests)] if p.exists()]
     continues = resume is not None and any(p.samefile(resume) for p in earlier)
+    if earlier and not continues and earlier[0].name in (files.BEST, sharded.BEST):
+        raise UserError(  # which --resume auto does not take (files.resolve)
+            f"--out-dir {out_dir} holds {earlier[0].name} of an earlier run and no checkpoint: "
+            "this run would overwrite it; move it away, or choose another --out-dir"
+        )
     if earlier and not continues and auto:
         raise UserError(
             f"--resume auto: no usable checkpoint in --out-dir {out_dir} (see the warnings), "
@@ -133,8 +138,11 @@ def saved_data(path: Path) -> str | None:
     None: it has none (the built-in data set), or the checkpoint cannot say, which its load
     proper then names."""
     source = path / sharded.STATE if path.is_dir() else path
+    if not source.is_file():  # a FIFO would block the open for good: load refuses it
+        return None
     try:
-        data = files.safe_load(source, "ddptrain checkpoint", mmap=True)["config"]["data"]
+        config = files.safe_load(source, "ddptrain checkpoint", mmap=True)["config"]
+        data = None if config.get("dummy") else config["data"]
     except Exception:  # noqa: BLE001 - whatever is wrong, load names it in its own words
         return None
     return data if isinstance(data, str) else None

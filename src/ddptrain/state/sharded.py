@@ -183,7 +183,9 @@ def verify(folder: Path) -> None:
     """The CRCs of a sharded checkpoint's every byte, as files.verify checks a file's: DCP's
     load checks none, so a flipped bit in tensor data would load silently. Each item of a shard
     file is an archive torch.save wrote (DCP's FileSystemWriter), at the offset the metadata
-    gives. Reads the whole checkpoint: rank 0 alone, once, as it picks what to resume."""
+    gives. Reads the whole checkpoint: rank 0 alone, once, as it picks what to resume. `read`
+    first, which says what is wrong with a folder that is no checkpoint in its own words."""
+    read(folder)
     files.verify(folder / STATE)
     items = sorted(read_metadata(folder).storage_data.values(), key=lambda i: i.relative_path)
     for item in items:
