@@ -86,3 +86,7 @@ def test_eval_appends_to_a_runs_own_metrics_file(tmp_path):
     with open(log.path, "a") as f:
         f.write('{"split": "tra')  # torn by a crash mid-append: the run's own
     log.check_own()
+    log.write({"split": "val", "epoch": 2})
+    log.keep_until(2)  # every line a record: a resume takes the file as the run's
+    records = [json.loads(line) for line in log.path.read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2]

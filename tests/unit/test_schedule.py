@@ -74,8 +74,9 @@ def test_a_warmup_shorter_than_half_a_step_is_named_as_none():
     assert curve(short)[0] == 0.1  # no ramp: the full LR from the first step
     line = no_warmup_warning(short, STEPS)
     assert line.startswith("--lr-warmup-epochs 0.05 rounds to 0 of the 7 steps per epoch")
-    assert "at least 0.143 for one step" in line
-    assert curve(Config(lr=0.1, lr_warmup_epochs=0.143, epochs=2))[0] < 0.1  # that one ramps
+    assert line.endswith("there is no warmup; give more than 0.0714 for one step")
+    assert no_warmup_warning(Config(lr_warmup_epochs=0.0714), STEPS)  # 0.4998 rounds to 0
+    assert curve(Config(lr=0.1, lr_warmup_epochs=0.0715, epochs=2))[0] < 0.1  # 0.5005: ramps
     assert no_warmup_warning(Config(lr_warmup_epochs=0.1), STEPS) is None  # 0.7: one step
     assert no_warmup_warning(Config(lr_warmup_epochs=0), STEPS) is None  # none asked for
 

@@ -115,10 +115,13 @@ class MetricsLog:
             atomic_write(self.path, b"".join(kept))
 
     def check_own(self) -> None:
-        """Refuses to append to a metrics.jsonl another program wrote (as keep_until does):
-        `eval`, whose out-dir need not be a training run's."""
+        """Before `eval` appends, whose out-dir need not be a training run's: refuses a
+        metrics.jsonl another program wrote (as keep_until does), and drops a torn last line,
+        which the record appended would otherwise continue."""
         if self.enabled and self.path.exists():
-            self._records()
+            lines, _, torn = self._records()
+            if torn:
+                atomic_write(self.path, b"".join(lines))
 
     def _records(self) -> tuple[list[bytes], list[int], bool]:
         """The file's whole lines, the epoch of each, and whether a torn line followed them;

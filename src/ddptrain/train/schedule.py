@@ -66,8 +66,8 @@ def no_warmup_warning(config: Config, steps_per_epoch: int) -> str | None:
         return None
     return (
         f"--lr-warmup-epochs {config.lr_warmup_epochs:g} rounds to 0 of the {steps_per_epoch} "
-        f"steps per epoch: there is no warmup; give at least {1 / steps_per_epoch:.3g} for one "
-        "step"
+        f"steps per epoch: there is no warmup; give more than {0.5 / steps_per_epoch:.3g} for "
+        "one step"
     )
 
 

@@ -18,6 +18,11 @@ from ddptrain.model.precision import Precision
 
 AUX_WEIGHT = 0.4  # googlenet and inception_v3 auxiliary heads, as torchvision's references
 
+# torch warns "lr_scheduler.step() before optimizer.step()" when the run's first steps were
+# dropped (--nonfinite skip): the order is right, the update was withheld. Filtered once here:
+# a catch_warnings around each step would reset which warnings were already shown.
+warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+
 
 def gradients_set_to_none(accum_steps: int, in_buckets: bool) -> bool:
     """Whether zero_grad sets the gradients to None, or zeroes them where they are. Accumulating
@@ -121,12 +126,7 @@ class Step:
         """Schedules move per optimizer step (train/schedule.py), so warmup is smooth and a run
         resumed mid-epoch continues on the same curve. A step dropped by --nonfinite skip moves
         it too: the schedule counts global steps, as the step numbers of checkpoints do."""
-        if self.scheduler is None:
-            return
-        with warnings.catch_warnings():
-            # torch's "lr_scheduler.step() before optimizer.step()", where the run's first
-            # steps were dropped: the order is right, the update was withheld.
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+        if self.scheduler is not None:
             self.scheduler.step()
 
     def __call__(self, images: torch.Tensor, target: torch.Tensor):
