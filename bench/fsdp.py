@@ -3,17 +3,19 @@ the model state a rank holds, its peak memory while training, samples/s, and the
 `ddptrain plan` predicted.
 
 Each rank runs ddptrain's own pieces (distributed.init, precision, parallelize.wrap with the
-strategy, the optimizer, step.Step and train_epoch) on uint8 batches preloaded in memory, fp32,
-4 images per rank. Memory is MemTracker's (torch.distributed._tools) count of the tensors a rank
-holds, over its first training steps: step 1 ends creating the momentum, step 2 and later are
-alike (DDP's bucket rebuild, old and new buckets at once, comes before, as ddptrain lays them
-out: the planner counts it). Model state: parameters, gradients and optimizer state as the
-rank holds them after a step (under fsdp, the local shards of its DTensors).
+strategy, the optimizer, step.Step and train_epoch) on uint8 batches preloaded in memory, fp32
+(or --amp bf16), 4 images per rank. Memory is MemTracker's (torch.distributed._tools) count of
+the tensors a rank holds, over its first training steps: step 1 ends creating the momentum, step
+2 and later are alike (DDP's bucket rebuild, old and new buckets at once, comes before, as
+ddptrain lays them out: the planner counts it). Model state: parameters, gradients and optimizer
+state as the rank holds them after a step (under fsdp, the local shards of its DTensors).
 
-    python -m bench.fsdp [--quick] [--per-rank-batch N]
+    python -m bench.fsdp [--quick] [--per-rank-batch N] [--amp bf16]
 
 A larger per-rank batch gives each parameter moved more compute: the speed ratio at 4 images
-is fsdp's worst case (results for another batch go to fsdp-bN.json).
+is fsdp's worst case (results for another batch go to fsdp-bN.json, for bf16 to fsdp-bf16.json).
+Under bf16 fsdp gathers its parameters in bf16, half the bytes of fp32's, while both strategies
+reduce the gradients in fp32.
 """
 
 import argparse
@@ -33,7 +35,7 @@ from ddptrain.dist.env import init_distributed, teardown_distributed
 from ddptrain.errors import first_line
 from ddptrain.model.build import build_model
 from ddptrain.model.parallelize import wrap
-from ddptrain.model.precision import resolve_precision
+from ddptrain.model.precision import DTYPES, resolve_precision
 from ddptrain.tools.plan import PlanRequest, plan
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.step import Step
@@ -96,12 +98,14 @@ def step_peaks(step: Step, batches, precision, env, model, optimizer) -> tuple[l
     return peaks, "MemTracker"
 
 
-def rank_main(arch: str, image_size: int, strategy: str, steps: int, per_rank_batch: int) -> None:
+def rank_main(
+    arch: str, image_size: int, strategy: str, steps: int, per_rank_batch: int, amp: str
+) -> None:
     """One rank, under torchrun: TRACKED_STEPS steps under the memory tracker, one more as
     warm-up, then `steps` timed steps; rank 0 prints every rank's figures."""
     config = Config(
         dummy=True, arch=arch, batch_size=per_rank_batch * RANKS, workers=0,
-        image_size=image_size, amp="none", device="cpu", lr=0.1 * per_rank_batch * RANKS / 256,
+        image_size=image_size, amp=amp, device="cpu", lr=0.1 * per_rank_batch * RANKS / 256,
         print_freq=10**9, epochs=2, strategy=strategy,
     )  # fmt: skip
     env = init_distributed(config)
@@ -113,7 +117,13 @@ def rank_main(arch: str, image_size: int, strategy: str, steps: int, per_rank_ba
         blank = torch.zeros(2, 3, image_size, image_size, dtype=torch.uint8)
         example = precision.inputs(blank, env.device)  # as ddptrain lays out DDP's buckets
         place = lambda built: precision.place(built, env.device)  # noqa: E731
-        model = wrap(model, env, strategy=strategy, arch=arch, example=example, place=place)
+        # fsdp's MixedPrecisionPolicy from --amp, as run.py gives it: without it, fsdp would
+        # gather fp32 parameters and autocast would cast them all again each step.
+        amp_dtype = DTYPES[precision.amp]
+        model = wrap(
+            model, env, strategy=strategy, arch=arch, amp_dtype=amp_dtype, example=example,
+            place=place,
+        )  # fmt: skip
         optimizer, scheduler = build_optimizer(model, config)
         step = Step(model, optimizer, precision)
         tracked = batches[:TRACKED_STEPS]
@@ -136,11 +146,14 @@ def rank_main(arch: str, image_size: int, strategy: str, steps: int, per_rank_ba
         teardown_distributed()
 
 
-def measure(arch: str, image_size: int, strategy: str, steps: int, per_rank_batch: int) -> dict:
+def measure(
+    arch: str, image_size: int, strategy: str, steps: int, per_rank_batch: int, amp: str
+) -> dict:
     cmd = common.python(
         "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
         "-m", "bench.fsdp", "--rank-main", "--arch", arch, "--image-size", str(image_size),
         "--strategy", strategy, "--steps", str(steps), "--per-rank-batch", str(per_rank_batch),
+        "--amp", amp,
     )  # fmt: skip
     result = common.run_json(cmd, common.subprocess_env(OMP_NUM_THREADS="1"))
     assert result["threads"] == 1, result
@@ -207,6 +220,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--per-rank-batch", type=int, default=PER_RANK_BATCH, help="images per rank and step"
     )
+    parser.add_argument(
+        "--amp",
+        choices=("none", "bf16"),
+        default="none",
+        help="precision of both strategies (fsdp: parameters gathered in it, gradients reduced "
+        "in fp32; ddp: gradients all-reduced in fp32)",
+    )
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--arch", help=argparse.SUPPRESS)
     parser.add_argument("--image-size", type=int, help=argparse.SUPPRESS)
@@ -214,7 +234,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_main:
-        rank_main(args.arch, args.image_size, args.strategy, args.steps, args.per_rank_batch)
+        rank_main(
+            args.arch, args.image_size, args.strategy, args.steps, args.per_rank_batch, args.amp
+        )
         return {}
     s, batch = common.scale(args.quick), args.per_rank_batch
     models, steps = (QUICK_MODELS, 2) if args.quick else (MODELS, 5)
@@ -225,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
                 world_size=RANKS,
                 batch_size=batch * RANKS,
                 image_size=size,
-                amp="none",
+                amp=args.amp,
                 num_classes=CLASSES,
             )
         )  # fmt: skip
@@ -238,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
             details[name] = []
 
             def contender(arch=arch, size=size, strategy=strategy, runs=details[name]) -> float:
-                runs.append(measure(arch, size, strategy, steps, batch))
+                runs.append(measure(arch, size, strategy, steps, batch, args.amp))
                 return runs[-1]["samples_per_sec"]
 
             contenders[name] = contender
@@ -255,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ranks": RANKS,
         "per_rank_batch": batch,
         "num_classes": CLASSES,
-        "amp": "none (fp32)",
+        "amp": "none (fp32)" if args.amp == "none" else args.amp,
         "optimizer": "SGD momentum 0.9 (ddptrain's default)",
         "launcher": "torchrun --standalone, gloo, OMP_NUM_THREADS=1",
         "data": "uint8 batches preloaded in memory (no decoding)",
@@ -267,7 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print_memory(rows)
     common.print_table("fsdp against ddp, 2 ranks (CPU, gloo)", rows, ratios)
-    name = "fsdp" if batch == PER_RANK_BATCH else f"fsdp-b{batch}"
+    name = "fsdp" + ("" if batch == PER_RANK_BATCH else f"-b{batch}")
+    name += "" if args.amp == "none" else f"-{args.amp}"
     print(f"  -> {common.write_results(name, args.quick, settings, rows, ratios)}")
     return {"rows": rows, "ratios": ratios}
 
