@@ -10,7 +10,8 @@ Inert unless the DDPTRAIN_TEST_* environment variables are set; nothing else rea
 - DDPTRAIN_TEST_KILL_ONCE=PATH: kill only while PATH does not exist, and create it first, so the
   run restarted after the kill goes through.
 - DDPTRAIN_TEST_SIGNAL=NAME sends signal NAME (e.g. SIGTERM) instead of SIGKILL.
-- DDPTRAIN_TEST_STALL_RANK=N hangs rank N forever before its first step, as a wedged process.
+- DDPTRAIN_TEST_STALL_RANK=N hangs rank N forever before its first step, as a wedged process;
+  N:setup hangs it in setup instead, once it holds the out-dir's lock.
 - DDPTRAIN_TEST_NAN=RANK:STEP[,STEP...] makes global rank RANK's batch NaN at each global step
   STEP, as a blow-up on one rank.
 - DDPTRAIN_TEST_NAN_GRAD=RANK:STEP[,STEP...] makes global rank RANK's first gradient NaN at
@@ -97,8 +98,9 @@ def poison_gradient(model, step: int) -> None:
     next(model.parameters()).register_hook(once)
 
 
-def maybe_stall(rank: int) -> None:
-    if os.environ.get(STALL) == str(rank):
+def maybe_stall(rank: int, where: str = "") -> None:
+    """Hangs here where DDPTRAIN_TEST_STALL_RANK names this rank and place ("" or "setup")."""
+    if os.environ.get(STALL) == f"{rank}:{where}".removesuffix(":"):
         while True:
             time.sleep(3600)
 

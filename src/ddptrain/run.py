@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ddptrain import faults
 from ddptrain.config import MEMORY_SETTINGS, Config, inert_flags
 from ddptrain.config_layers import resumed
 from ddptrain.data.check import images_to_leave_out
@@ -85,7 +86,11 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
     env = init_distributed(config, slot, say)
     phases = Phases(env)
     try:
-        return _train(config, env, phases)
+        # From here, not from the first step: a SIGTERM or SIGUSR1 while the data is listed
+        # or the model built ends this rank with its line and tells the others (phases),
+        # where the signal's default action killed it without a word.
+        with StopRequests(env) as stop:
+            return _train(config, env, phases, stop)
     except BaseException as err:
         if peer_lost(err) and (stalled := phases.stalled()):
             err.add_note(stalled)  # which ranks did not arrive, and where they were
@@ -104,7 +109,7 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
         teardown_distributed()
 
 
-def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
+def _train(config: Config, env: DistEnv, phases: Phases, stop: StopRequests) -> TrainState:
     config.check_batch_divides_early(env.world_size)
     _check_offload_clipping(config, env)
     out_dir = Path(config.out_dir)
@@ -112,6 +117,7 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         unlocked = agree(env, lambda: lock_out_dir(out_dir) if env.is_main else None)
         if unlocked:  # a file system without locks
             warn(env, unlocked)
+    faults.maybe_stall(env.rank, "setup")
     seed = from_rank0(env, lambda: _data_seed(config))
     resume = from_rank0(
         env, lambda: find_resume(config.resume, out_dir, config.evaluate, lambda w: warn(env, w))
@@ -218,39 +224,38 @@ def _train(config: Config, env: DistEnv, phases: Phases) -> TrainState:
         ema.start_from(unwrap(model))  # --model-ema new on resume: not from the built weights
     if precision.compile:
         model = compile_model(model)
-    with StopRequests(env) as stop:
-        run = trainer.Run(
-            config=config,
-            env=env,
-            data=loaders,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            reporter=reporter,
-            seed=seed,
-            precision=precision,
-            checkpointer=None if config.evaluate else checkpointer,
-            stop=stop,
-            criterion=build_criterion(config, loaders.num_classes),
-            ema=ema,
-            phases=phases,
-            profiler=_profiler(config, env, out_dir),
-        )
-        try:
-            if config.evaluate:
-                return _evaluate_only(run, state)
-            # rank 0 rewrites files there: a failure must end every rank
-            agree(env, lambda: _go_on_from(state, resume is not None, env, out_dir, reporter))
-            reporter.start(summary)
-            if env.is_main:
-                reporter.info(_plan(config, env, loaders.num_classes, precision.amp))
-            return trainer.fit(run, state)
-        finally:
-            if run.profiler is not None:
-                run.profiler.close()
-                if run.profiler.written:
-                    reporter.info(f"--profile {config.profile}: trace in {run.profiler.path}")
-            reporter.close()
+    run = trainer.Run(
+        config=config,
+        env=env,
+        data=loaders,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        reporter=reporter,
+        seed=seed,
+        precision=precision,
+        checkpointer=None if config.evaluate else checkpointer,
+        stop=stop,
+        criterion=build_criterion(config, loaders.num_classes),
+        ema=ema,
+        phases=phases,
+        profiler=_profiler(config, env, out_dir),
+    )
+    try:
+        if config.evaluate:
+            return _evaluate_only(run, state)
+        # rank 0 rewrites files there: a failure must end every rank
+        agree(env, lambda: _go_on_from(state, resume is not None, env, out_dir, reporter))
+        reporter.start(summary)
+        if env.is_main:
+            reporter.info(_plan(config, env, loaders.num_classes, precision.amp))
+        return trainer.fit(run, state)
+    finally:
+        if run.profiler is not None:
+            run.profiler.close()
+            if run.profiler.written:
+                reporter.info(f"--profile {config.profile}: trace in {run.profiler.path}")
+        reporter.close()
 
 
 def _go_on_from(

@@ -6,7 +6,10 @@ DDPTRAIN_TEST_KILL=POINT:RANK:STEP (see ddptrain/faults.py); a marker file makes
 so the run torchrun restarts goes through.
 """
 
+import re
+import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -178,3 +181,39 @@ def test_a_signal_to_one_rank_just_after_a_checkpoint_stops_both_together(tiny_d
     assert result.stderr.count("ddptrain: stopped by SIGTERM after global step 4") == 2
     assert "lost contact" not in result.stderr
     assert training_state(out)["global_step"] == 4
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_spawning_process_reaches_every_rank(tiny_data, tmp_path, signum):
+    """`docker stop` and Kubernetes signal PID 1 alone: under --multiprocessing-distributed the
+    parent, which SIGTERM killed, its ranks interrupted without the stop's checkpoint; a
+    `kill -INT` ended its wait while the ranks trained on."""
+    out = tmp_path / "run"
+    spawn = ("--multiprocessing-distributed", "--nproc-per-node", 2, "--no-accel")
+    command = [sys.executable, "-m", "ddptrain", "train", *tiny_args(tiny_data, out)]
+    job = subprocess.Popen(
+        [*command, *map(str, (*spawn, "--epochs", 100)), "--progress", "none"],
+        env=env_with(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the signal reaches the parent alone, not its group
+    )
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while not (out / "checkpoint-000000003.pt").exists():  # epoch 1 done
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.2)
+        job.send_signal(signum)
+        stdout, stderr = job.communicate(timeout=DEADLINE)
+    finally:
+        kill_tree(job.pid)
+    if signum == signal.SIGTERM:  # every rank stops at one step, saved
+        assert job.returncode == 0, stderr
+        stopped = re.search(r"ddptrain: stopped by SIGTERM after global step (\d+)", stderr)
+        assert stopped, stderr
+        assert training_state(out)["global_step"] == int(stopped[1])
+    else:
+        assert job.returncode == 130, stderr
+        assert "ddptrain: interrupted" in stderr
+    assert training_state(out)["epoch"] < 100

@@ -2,6 +2,7 @@
 lock of a dead run, or of a torchrun attempt that died, is taken over."""
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -61,3 +62,29 @@ def test_a_torchrun_restart_after_rank_0_died_is_not_refused(tiny_data, tmp_path
     assert marker.exists(), "the fault never fired"
     assert f"resumed from {out}/checkpoint-000000002.pt" in result.stdout
     assert "in use by another run" not in result.stderr
+
+
+def test_a_stop_signal_while_setting_up_ends_the_run_with_its_line(tiny_data, tmp_path):
+    """Before the first step's handlers were installed, SIGTERM's default action killed a rank
+    listing its data or building its model without a word, and told no other rank."""
+    out = tmp_path / "run"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "ddptrain", "train", *map(str, tiny_args(tiny_data, out))],
+        env=env_with(DDPTRAIN_TEST_STALL_RANK="0:setup"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lock, deadline = out / ".lock", time.monotonic() + DEADLINE
+        while not (lock.exists() and lock.read_text()):  # taken just before the stall
+            assert job.poll() is None and time.monotonic() < deadline, "no lock taken"
+            time.sleep(0.2)
+        job.send_signal(signal.SIGTERM)
+        _, stderr = job.communicate(timeout=DEADLINE)
+    finally:
+        job.kill()
+        job.wait(timeout=DEADLINE)
+    assert job.returncode == 128 + signal.SIGTERM, stderr
+    assert "ddptrain: stopped by SIGTERM: nothing trained since the last checkpoint" in stderr
+    assert not (out / "checkpoint.pt").exists()

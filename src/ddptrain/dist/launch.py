@@ -3,7 +3,10 @@
 As in the classic example, --world-size and --rank mean nodes and this node's rank here.
 """
 
+import contextlib
 import os
+import signal
+import time
 from collections.abc import Callable
 
 import torch
@@ -13,6 +16,13 @@ from ddptrain.config import Config
 from ddptrain.dist.env import SpawnSlot
 from ddptrain.dist.ports import free_port
 from ddptrain.errors import UserError, end_process, report_errors
+
+# Stops the ranks act on (train/preempt.py), passed on from this process as torchrun passes them
+# on to its workers: `docker stop` and Kubernetes signal PID 1, here this process, alone.
+PASSED_ON = (signal.SIGTERM, signal.SIGUSR1)
+# A SIGINT to this process alone (`kill -INT`) is passed on after this long: a terminal's Ctrl-C
+# reaches every rank itself, and a second one would break into their ending.
+INTERRUPT_GRACE_S = 5.0
 
 
 def _default_nproc(config: Config) -> int:
@@ -77,8 +87,39 @@ def spawn(config: Config, train: Callable[[Config, SpawnSlot], object]) -> int:
     nodes, node_rank = _nodes(config)
     config.check_batch_divides_early(nproc * nodes)  # each rank checks a resumed -b itself
     url = _rendezvous(config, nodes)
+    args = (train, config, nproc, (nodes, node_rank), url)
+    context = mp.spawn(_worker, args=args, nprocs=nproc, join=False)
     try:
-        mp.spawn(_worker, args=(train, config, nproc, (nodes, node_rank), url), nprocs=nproc)
+        _wait(context)
     except mp.ProcessExitedException as err:
         return err.exit_code if err.exit_code > 0 else 1
     return 0
+
+
+def _wait(context: mp.ProcessContext) -> None:
+    """Until every rank has ended (ProcessContext.join ends the others when one fails), passing
+    on the signals this process gets: left to their defaults, a SIGTERM killed it and its ranks
+    were interrupted without the checkpoint a stop writes, and a SIGINT ended its wait while
+    the ranks trained on."""
+    interrupted_at: list[float] = []
+
+    def pass_on(signum: int) -> None:
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    def on_signal(signum: int, frame) -> None:
+        if signum == signal.SIGINT:  # passed on below, after the grace
+            interrupted_at.append(time.monotonic())
+        else:
+            pass_on(signum)
+
+    with contextlib.ExitStack() as handlers:
+        for signum in (*PASSED_ON, signal.SIGINT):
+            handlers.callback(signal.signal, signum, signal.signal(signum, on_signal))
+        interrupt_passed = False
+        while not context.join(timeout=0.5):
+            late = interrupted_at and time.monotonic() - interrupted_at[0] > INTERRUPT_GRACE_S
+            if late and not interrupt_passed:
+                pass_on(signal.SIGINT)
+                interrupt_passed = True
