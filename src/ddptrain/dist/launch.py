@@ -105,8 +105,9 @@ def _wait(context: mp.ProcessContext) -> None:
 
     def pass_on(signum: int) -> None:
         for process in context.processes:
-            if process.is_alive():
-                os.kill(process.pid, signum)
+            with contextlib.suppress(ProcessLookupError):  # one that has just ended
+                if process.is_alive():
+                    os.kill(process.pid, signum)
 
     def on_signal(signum: int, frame) -> None:
         if signum == signal.SIGINT:  # passed on below, after the grace
