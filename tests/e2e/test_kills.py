@@ -198,6 +198,9 @@ def test_a_signal_to_the_spawning_process_reaches_every_rank(tiny_data, tmp_path
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # the signal reaches the parent alone, not its group
+        # As from a terminal: a suite run as a script's background job ignores SIGINT (so
+        # does everything it starts), and a job that ignores it from the start keeps doing so.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + DEADLINE

@@ -115,8 +115,11 @@ def _wait(context: mp.ProcessContext) -> None:
         else:
             pass_on(signum)
 
+    # A SIGINT ignored from the start (a background job of a script) stays so: the ranks
+    # inherit that too.
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     with contextlib.ExitStack() as handlers:
-        for signum in (*PASSED_ON, signal.SIGINT):
+        for signum in PASSED_ON if ignored else (*PASSED_ON, signal.SIGINT):
             handlers.callback(signal.signal, signum, signal.signal(signum, on_signal))
         interrupt_passed = False
         while not context.join(timeout=0.5):
