@@ -12,22 +12,34 @@ from cli import DEADLINE, copy_run, ddptrain, env_with, ok, tiny_args, torchrun
 NO_WAIT = 60  # far below any wait on the first run, which never ends by itself
 
 
+def stalled_holding_the_lock(data, out, stall: str, output=subprocess.DEVNULL) -> subprocess.Popen:
+    """A run of one process that stalls where DDPTRAIN_TEST_STALL_RANK=stall says, once it has
+    taken out's lock (killed if it never does)."""
+    job = subprocess.Popen(
+        [sys.executable, "-m", "ddptrain", "train", *map(str, tiny_args(data, out))],
+        env=env_with(DDPTRAIN_TEST_STALL_RANK=stall),
+        stdout=output,
+        stderr=output,
+        text=True,
+    )
+    lock, deadline = out / ".lock", time.monotonic() + DEADLINE
+    try:
+        while not (lock.exists() and lock.read_text()):
+            assert job.poll() is None and time.monotonic() < deadline, "no lock taken"
+            time.sleep(0.2)
+    except BaseException:
+        job.kill()
+        job.wait(timeout=DEADLINE)
+        raise
+    return job
+
+
 def test_a_second_run_in_a_live_runs_out_dir_fails_naming_it(tiny_data, tmp_path):
     out = tmp_path / "run"
     # The first run takes the lock in setup, then stalls before its first step.
-    first = subprocess.Popen(
-        [sys.executable, "-m", "ddptrain", "train", *map(str, tiny_args(tiny_data, out))],
-        env=env_with(DDPTRAIN_TEST_STALL_RANK="0"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    first = stalled_holding_the_lock(tiny_data, out, "0")
     try:
-        lock = out / ".lock"
-        deadline = time.monotonic() + DEADLINE
-        while not (lock.exists() and lock.read_text()):
-            assert first.poll() is None and time.monotonic() < deadline, "no lock taken"
-            time.sleep(0.2)
-        assert json.loads(lock.read_text())["pid"] == first.pid
+        assert json.loads((out / ".lock").read_text())["pid"] == first.pid
 
         second = ddptrain("train", *tiny_args(tiny_data, out), "--resume", "auto", timeout=NO_WAIT)
         assert second.returncode == 2, second.stderr
@@ -68,18 +80,8 @@ def test_a_stop_signal_while_setting_up_ends_the_run_with_its_line(tiny_data, tm
     """Before the first step's handlers were installed, SIGTERM's default action killed a rank
     listing its data or building its model without a word, and told no other rank."""
     out = tmp_path / "run"
-    job = subprocess.Popen(
-        [sys.executable, "-m", "ddptrain", "train", *map(str, tiny_args(tiny_data, out))],
-        env=env_with(DDPTRAIN_TEST_STALL_RANK="0:setup"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        lock, deadline = out / ".lock", time.monotonic() + DEADLINE
-        while not (lock.exists() and lock.read_text()):  # taken just before the stall
-            assert job.poll() is None and time.monotonic() < deadline, "no lock taken"
-            time.sleep(0.2)
+    job = stalled_holding_the_lock(tiny_data, out, "0:setup", output=subprocess.PIPE)
+    try:  # the lock is taken just before the stall
         job.send_signal(signal.SIGTERM)
         _, stderr = job.communicate(timeout=DEADLINE)
     finally:
