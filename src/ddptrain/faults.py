@@ -5,8 +5,8 @@ Inert unless the DDPTRAIN_TEST_* environment variables are set; nothing else rea
 - DDPTRAIN_TEST_KILL=POINT:RANK:STEP sends SIGKILL to global rank RANK at POINT of global step
   STEP (1-based: the step being taken). Points: `data` (while the step's batch is being loaded),
   `backward` (inside the backward pass, some gradient buckets already all-reduced), `between`
-  (before the step starts), `before_rename` and `after_rename` (while committing a checkpoint file
-  written at step STEP).
+  (before the step starts), `evaluation` (at the first val batch after global step STEP),
+  `before_rename` and `after_rename` (while committing a checkpoint file written at step STEP).
 - DDPTRAIN_TEST_KILL_ONCE=PATH: kill only while PATH does not exist, and create it first, so the
   run restarted after the kill goes through.
 - DDPTRAIN_TEST_SIGNAL=NAME sends signal NAME (e.g. SIGTERM) instead of SIGKILL.
@@ -37,7 +37,7 @@ KILL, ONCE, SIGNAL, STALL, NAN, NAN_GRAD, ENOSPC = (
     "DDPTRAIN_TEST_NAN_GRAD",
     "DDPTRAIN_TEST_ENOSPC",
 )
-POINTS = ("data", "backward", "between", "before_rename", "after_rename")
+POINTS = ("data", "backward", "between", "evaluation", "before_rename", "after_rename")
 
 _rank = 0  # this process's global rank, set by the trainer
 

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -47,6 +48,15 @@ def tiny_args(data, out, *extra) -> list[str]:
         str(out),
         *map(str, extra),
     ]
+
+
+def resumable_args(data, out, checkpoint_every=2, epochs=2) -> tuple:
+    """`train` with tiny_args for 2 epochs of 3 steps, a checkpoint every 2 (global steps 2
+    and 4) and at each epoch's end (3 and 6), resuming what out-dir holds."""
+    return (
+        *("train", *tiny_args(data, out), "--resume", "auto"),
+        *("--epochs", epochs, "--checkpoint-every", checkpoint_every),
+    )
 
 
 def ddptrain(*args, timeout=DEADLINE, env=None) -> subprocess.CompletedProcess:
@@ -141,6 +151,36 @@ def kill_tree(pid: int, timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
+def signal_tree(pid: int, signum: int) -> None:
+    """Sends signum to pid and every process below it, loader workers included, as SLURM
+    signals every process of a job step."""
+    for victim in [pid, *_descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signum)
+
+
+def wait_stopped(job: subprocess.Popen, timeout: float = DEADLINE) -> int:
+    """Waits until a process below job's is stopped (SIGSTOP: state T), and returns it."""
+    deadline = time.monotonic() + timeout
+    while not (stopped := [p for p in _descendants(job.pid) if _state(p) == "T"]):
+        assert job.poll() is None, f"the job ended first (exit {job.returncode})"
+        assert time.monotonic() < deadline, "no process of the job stopped"
+        time.sleep(0.05)
+    return stopped[0]
+
+
+def wait_pending(pid: int, signum: int, timeout: float = 30) -> None:
+    """Waits until signum is pending for process pid (a stopped process keeps it so)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = Path(f"/proc/{pid}/status").read_text()
+        pending = int(re.search(r"^ShdPnd:\s*([0-9a-f]+)", status, re.M)[1], 16)
+        if pending & (1 << (signum - 1)):
+            return
+        assert time.monotonic() < deadline, f"signal {signum} never reached process {pid}"
+        time.sleep(0.05)
+
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -157,11 +197,15 @@ def _descendants(pid: int) -> list[int]:
 
 def _alive(pid: int) -> bool:
     """Not yet dead: a zombie has exited (and released its files and locks)."""
+    return _state(pid) not in ("", "Z", "X")
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (R, S, T, Z, ...), "" for none."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+        return ""
 
 
 def _run(cmd, timeout, env=None) -> subprocess.CompletedProcess:

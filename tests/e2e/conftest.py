@@ -5,7 +5,8 @@ test never writes into these.
 """
 
 import pytest
-from cli import ddptrain, ok, tiny_args, torchrun
+import slurm
+from cli import ddptrain, ok, resumable_args, tiny_args, torchrun, training_state
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +23,24 @@ def two_rank_run(tiny_data, tmp_path_factory, cache_env):
     out = tmp_path_factory.mktemp("two-rank-run") / "run"
     ok(torchrun(2, "train", *tiny_args(tiny_data, out), env=cache_env))
     return out
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tiny_data, tmp_path_factory, cache_env):
+    """resumable_args under torchrun on 2 ranks, uninterrupted: what killed, stopped and
+    resumed runs end equal to."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    ok(torchrun(2, *resumable_args(tiny_data, out), env=cache_env))
+    assert training_state(out)["global_step"] == 6
+    return out
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A one-node SLURM cluster of this machine's cores (slurm.py)."""
+    reason = slurm.unavailable()
+    if reason:
+        slurm.skip_or_fail(reason)
+    cluster = slurm.Cluster().start()
+    yield cluster
+    cluster.stop()

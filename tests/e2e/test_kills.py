@@ -22,28 +22,19 @@ from cli import (
     env_with,
     kill_tree,
     ok,
+    signal_tree,
     tiny_args,
     torchrun,
     torchrun_command,
     training_state,
+    wait_pending,
+    wait_stopped,
+)
+from cli import (
+    resumable_args as args,
 )
 
 BEST = "model_best.pt"
-
-
-def args(data, out, checkpoint_every=2, epochs=2):
-    return (
-        *("train", *tiny_args(data, out), "--resume", "auto"),
-        *("--epochs", epochs, "--checkpoint-every", checkpoint_every),
-    )
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("uninterrupted")
-    ok(torchrun(2, *args(tiny_data, out)))
-    assert training_state(out)["global_step"] == 6
-    return out
 
 
 def kill(point, rank, step, marker):
@@ -220,3 +211,71 @@ def test_a_signal_to_the_spawning_process_reaches_every_rank(tiny_data, tmp_path
         assert job.returncode == 130, stderr
         assert "ddptrain: interrupted" in stderr
     assert training_state(out)["epoch"] < 100
+
+
+@pytest.mark.parametrize(
+    ("point", "step", "stops_after"),
+    [
+        ("between", 5, 5),  # mid-epoch 2: agreed at the next boundary
+        ("evaluation", 3, 4),  # epoch 1's evaluation: saved, then one step of epoch 2
+        ("before_rename", 4, 5),  # writing step 4's checkpoint
+    ],
+    ids=["mid-epoch", "evaluation", "checkpoint-write"],
+)
+def test_sigterm_to_every_process_with_loader_workers_stops_the_job_saved(
+    tiny_data, tmp_path, uninterrupted, point, step, stops_after
+):
+    """SLURM signals every process of a job step, loader workers included: the workers leave
+    it to their rank, which stops with the others at one step, saved (before, the workers died
+    and each rank crashed on "DataLoader worker ... is killed by signal: Terminated")."""
+    job, out = _stopped_at(tiny_data, tmp_path, point, step)
+    try:
+        stalled = wait_stopped(job)  # rank 0, at the point
+        signal_tree(job.pid, signal.SIGTERM)
+        wait_pending(stalled, signal.SIGTERM)
+        signal_tree(job.pid, signal.SIGCONT)
+        _, stderr = job.communicate(timeout=DEADLINE)
+    finally:
+        kill_tree(job.pid)
+    _assert_stopped_then_resumed(tiny_data, out, uninterrupted, stderr, stops_after)
+
+
+def test_sigterm_to_torchrun_with_loader_workers_stops_the_job_saved(
+    tiny_data, tmp_path, uninterrupted
+):
+    """torchrun passes a SIGTERM on to each worker's process group: loader workers included.
+    torchrun itself then exits 1 (its SignalException); the ranks exit 0."""
+    job, out = _stopped_at(tiny_data, tmp_path, "between", 5)
+    try:
+        stalled = wait_stopped(job)
+        job.send_signal(signal.SIGTERM)
+        wait_pending(stalled, signal.SIGTERM)
+        signal_tree(job.pid, signal.SIGCONT)
+        _, stderr = job.communicate(timeout=DEADLINE)
+    finally:
+        kill_tree(job.pid)
+    _assert_stopped_then_resumed(tiny_data, out, uninterrupted, stderr, 5)
+
+
+def _stopped_at(tiny_data, tmp_path, point: str, step: int):
+    """A 2-rank torchrun job with a loader worker per rank, whose rank 0 stops itself
+    (SIGSTOP) at point of global step: a signal sent now lands there."""
+    out = tmp_path / "run"
+    env = {**kill(point, 0, step, tmp_path / "marker"), "DDPTRAIN_TEST_SIGNAL": "SIGSTOP"}
+    job = subprocess.Popen(
+        torchrun_command(2, *args(tiny_data, out), "-j", 1),
+        env=env_with(**env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    return job, out
+
+
+def _assert_stopped_then_resumed(tiny_data, out, uninterrupted, stderr: str, step: int) -> None:
+    assert stderr.count(f"ddptrain: stopped by SIGTERM after global step {step} ") == 2, stderr
+    assert "DataLoader worker" not in stderr
+    assert training_state(out)["global_step"] == step
+    ok(torchrun(2, *args(tiny_data, out), "-j", 1))
+    assert_same_training(uninterrupted, out)

@@ -26,7 +26,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from ddptrain.config import Config
 from ddptrain.data.folder import (
@@ -37,6 +37,7 @@ from ddptrain.data.folder import (
     loose_warning,
     relative_paths,
 )
+from ddptrain.data.workers import Loader
 from ddptrain.dist.collectives import agree, check_same, gather_from_all
 from ddptrain.dist.env import DistEnv
 from ddptrain.dist.threads import usable_cores
@@ -95,7 +96,7 @@ def find_bad(
 ) -> list[tuple[str, str]]:
     """(file, reason) for each of files (relative to root) that cannot be used, in order,
     counted on the caller's `counting` bar as they are checked."""
-    loader = DataLoader(
+    loader = Loader(
         _Problems(root, files, max_pixels), batch_size=CHUNK, num_workers=workers, collate_fn=list
     )
     bad = []

@@ -10,7 +10,6 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torch.utils.data import DataLoader
 from torchvision import datasets
 from torchvision.transforms import v2
 
@@ -19,6 +18,7 @@ from ddptrain.data import folder
 from ddptrain.data.folder import check_same_classes, image_folder
 from ddptrain.data.sampler import EvalShard, GlobalBatchSampler, SeededSamples
 from ddptrain.data.transforms import build_train_transform, build_val_transform
+from ddptrain.data.workers import Loader
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import UserError
 
@@ -31,9 +31,9 @@ warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
 
 @dataclass
 class Data:
-    train_loader: DataLoader | None
+    train_loader: Loader | None
     train_sampler: GlobalBatchSampler | None
-    val_loader: DataLoader
+    val_loader: Loader
     num_val: int
     class_to_idx: dict[str, int]
     # Per split: {"images": count, "digest": of the file list, None for --dummy}. Checkpoints
@@ -97,7 +97,7 @@ def build_data(
         pin_memory=env.device.type == "cuda",
         persistent_workers=config.workers > 0,
     )
-    val_loader = DataLoader(EvalShard(val, env.rank, env.world_size), per_rank, **common)
+    val_loader = Loader(EvalShard(val, env.rank, env.world_size), per_rank, **common)
     facts = {"val": _facts(val)}
     folders = [d for d in (train, val) if isinstance(d, folder.ImageFolder)]
     loose = [line for d in folders if (line := folder.loose_warning(d))]
@@ -110,7 +110,7 @@ def build_data(
             + (f" ({len(stray)} more in {train.root} sit in no class folder)" if stray else "")
         )
     sampler = GlobalBatchSampler(len(train), config.batch_size, env.rank, env.world_size, seed)
-    train_loader = DataLoader(SeededSamples(train), per_rank, sampler=sampler, **common)
+    train_loader = Loader(SeededSamples(train), per_rank, sampler=sampler, **common)
     facts["train"] = _facts(train)
     return Data(train_loader, sampler, val_loader, len(val), class_to_idx, facts, loose)
 

@@ -13,11 +13,11 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ddptrain.data.workers import STOP_SIGNALS
 from ddptrain.dist.collectives import start_max_on_cpu
 from ddptrain.dist.env import DistEnv
 from ddptrain.errors import Stopped
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # A MAX all-reduce of (this minus a step) finds the earliest step any rank reported.
 _EARLIEST = 1 << 62
 
@@ -43,7 +43,7 @@ class StopRequests:
 
     def __enter__(self) -> "StopRequests":
         if threading.current_thread() is threading.main_thread():  # where Python runs handlers
-            self._previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+            self._previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         return self
 
     def __exit__(self, kind, value, traceback) -> None:

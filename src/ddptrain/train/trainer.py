@@ -112,7 +112,13 @@ class Run:
     def evaluate(self, model: nn.Module, phase: str, global_step: int) -> dict[str, float]:
         """evaluate() on the val set, recorded as `phase` of global_step. A collective."""
         self.mark(phase, global_step)
-        count = None if self.phases is None else self.phases.count
+
+        def count(batch: int) -> None:
+            if self.phases is not None:
+                self.phases.count(batch)
+            if batch == 1:  # the val loader's workers are running
+                faults.kill_point("evaluation", global_step)
+
         return evaluate(model, self.data.val_loader, self.env, self.precision, count)
 
 
