@@ -19,7 +19,7 @@ import torch
 from bench import common
 from ddptrain.config import Config
 from ddptrain.data.loaders import Data, build_data
-from ddptrain.dist.env import init_distributed
+from ddptrain.distributed.env import init_distributed
 from ddptrain.model.build import build_model
 from ddptrain.model.precision import resolve_precision
 from ddptrain.report.reporter import Reporter

@@ -1,5 +1,5 @@
 """FSDP's collectives over gloo, side by side: gloo's own all-gather and reduce-scatter against
-ddptrain's pairwise ones (dist/pairwise.py), and a ring all-reduce of the same bytes.
+ddptrain's pairwise ones (distributed/pairwise.py), and a ring all-reduce of the same bytes.
 
     torchrun --standalone --nproc-per-node 2 -m bench.collectives [--mb 96] [--repeats 5]
 
@@ -14,7 +14,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ddptrain.dist.pairwise import PairwiseAllGather, PairwiseReduceScatter
+from ddptrain.distributed.pairwise import PairwiseAllGather, PairwiseReduceScatter
 
 
 def timed(call, repeats: int) -> float:

@@ -31,7 +31,7 @@ from bench import common
 from bench.bound import Preloaded, random_batches, train_epochs
 from ddptrain.config import Config
 from ddptrain.data.loaders import Data
-from ddptrain.dist.env import init_distributed, teardown_distributed
+from ddptrain.distributed.env import init_distributed, teardown_distributed
 from ddptrain.errors import first_line
 from ddptrain.model.build import build_model
 from ddptrain.model.parallelize import wrap

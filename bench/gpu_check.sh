@@ -112,7 +112,7 @@ if [ "$GPUS" -lt 2 ]; then
     two_on_one() {  # EPOCHS FLAG...
         local epochs=$1 port pids=() rank status=0
         shift
-        port=$("$PY" -c "from ddptrain.dist.ports import free_port; print(free_port())")
+        port=$("$PY" -c "from ddptrain.distributed.ports import free_port; print(free_port())")
         for rank in 0 1; do
             # -k: a rank stuck in a collective may not heed SIGTERM (--dist-timeout is 600 s)
             timeout -k 15 150 "$PY" -m ddptrain train "$DATA" -a resnet18 --amp bf16 --device cuda \

@@ -23,7 +23,7 @@ from bench import common
 from ddptrain.config import Config
 from ddptrain.data.loaders import build_data
 from ddptrain.data.transforms import MEAN, STD
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.model.precision import Precision
 
 TARGET = 1.8

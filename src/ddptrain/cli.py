@@ -252,7 +252,7 @@ def _run(argv: list[str] | None) -> None:
     from ddptrain import run
 
     if options.multiprocessing_distributed:
-        from ddptrain.dist.launch import spawn
+        from ddptrain.distributed.launch import spawn
 
         code = spawn(options, run.train)
         if code:

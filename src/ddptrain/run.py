@@ -25,10 +25,10 @@ from ddptrain.config_layers import resumed
 from ddptrain.data.check import images_to_leave_out
 from ddptrain.data.loaders import Data, build_data
 from ddptrain.data.synth import ensure_builtin
-from ddptrain.dist.collectives import agree, check_same, from_rank0
-from ddptrain.dist.env import DistEnv, SpawnSlot, init_distributed, teardown_distributed
-from ddptrain.dist.phases import Phases
-from ddptrain.dist.threads import too_many_workers, usable_cores
+from ddptrain.distributed.collectives import agree, check_same, from_rank0
+from ddptrain.distributed.env import DistEnv, SpawnSlot, init_distributed, teardown_distributed
+from ddptrain.distributed.phases import Phases
+from ddptrain.distributed.threads import too_many_workers, usable_cores
 from ddptrain.errors import Stopped, UserError, first_line, peer_lost, report
 from ddptrain.model import fsdp
 from ddptrain.model.build import build_model, load_pretrained

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from ddptrain.dist.env import teardown_distributed
+from ddptrain.distributed.env import teardown_distributed
 from ddptrain.errors import end_process
 
 torch.set_num_threads(1)

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddptrain.dist.env import DistEnv
-from ddptrain.dist.ports import free_port
+from ddptrain.distributed.env import DistEnv
+from ddptrain.distributed.ports import free_port
 
 
 def _entry(fn, rank, world, port, results, args, log):

@@ -7,7 +7,7 @@ from harness import run_ranks
 
 from ddptrain.config import Config
 from ddptrain.data.check import images_to_leave_out
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 
 ONE = DistEnv(0, 1, 0, 1, torch.device("cpu"))
 

@@ -5,7 +5,7 @@ from torch import nn
 
 from ddptrain.config import Config
 from ddptrain.data.loaders import build_data
-from ddptrain.dist.collectives import agree, check_same, from_rank0, rank0_first
+from ddptrain.distributed.collectives import agree, check_same, from_rank0, rank0_first
 from ddptrain.errors import UserError
 from ddptrain.model.build import build_model
 from ddptrain.model.parallelize import unwrap, wrap

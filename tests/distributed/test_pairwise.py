@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torchvision
 from harness import run_ranks
 
-from ddptrain.dist.pairwise import PairwiseAllGather, PairwiseReduceScatter
+from ddptrain.distributed.pairwise import PairwiseAllGather, PairwiseReduceScatter
 
 SHARD = 5  # elements per rank
 
@@ -74,7 +74,7 @@ def test_pairwise_collectives_address_ranks_within_their_group():
 
 def count_fsdp_collectives(env):
     """How often fsdp's step went through the pairwise collectives on this gloo group."""
-    from ddptrain.dist import pairwise
+    from ddptrain.distributed import pairwise
     from ddptrain.model.fsdp import shard
 
     classes = {
@@ -109,7 +109,7 @@ def overlapped_backward(env):
     when each computes its own on the whole model and they average them."""
     import copy
 
-    from ddptrain.dist import pairwise
+    from ddptrain.distributed import pairwise
     from ddptrain.model.fsdp import shard
 
     seen = {"left in flight": 0, "async all_gathers": 0}

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 from harness import run_ranks
 
-from ddptrain.dist.phases import PUBLISH_EVERY, Phases
+from ddptrain.distributed.phases import PUBLISH_EVERY, Phases
 
 pytestmark = pytest.mark.serial  # the tests time the ranks' waits to tenths of a second
 

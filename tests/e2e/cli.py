@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ddptrain.dist.ports import free_port
+from ddptrain.distributed.ports import free_port
 from ddptrain.state import sharded
 
 DEADLINE = 240  # seconds: a hang fails the test instead of stalling CI

@@ -23,7 +23,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.config import Config
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.model.build import build_model
 from ddptrain.model.parallelize import lay_out_buckets
 from ddptrain.model.precision import resolve_precision

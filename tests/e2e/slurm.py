@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ddptrain.dist.ports import free_port
+from ddptrain.distributed.ports import free_port
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scancel", "scontrol", "squeue")
 START_TIMEOUT = 30  # seconds; the cluster starts in well under one

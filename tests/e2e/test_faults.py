@@ -6,7 +6,7 @@ import time
 import pytest
 from cli import ddptrain, tcp_pair, tiny_args, torchrun
 
-from ddptrain.dist.phases import ABORT_GRACE
+from ddptrain.distributed.phases import ABORT_GRACE
 
 # A healthy rank's wait for another must stay under TIMEOUT: with another test's ranks on the
 # same 2 cores, a slow start could pass for a stall.

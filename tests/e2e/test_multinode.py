@@ -16,7 +16,7 @@ from cli import (
     weights,
 )
 
-from ddptrain.dist.ports import free_port
+from ddptrain.distributed.ports import free_port
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from cli import DEADLINE
 PROBE = """
 import os, sys
 from pathlib import Path
-from ddptrain.dist.threads import _launcher_env, user_set_threads
+from ddptrain.distributed.threads import _launcher_env, user_set_threads
 answer = "user" if user_set_threads(os.environ, _launcher_env()) else "default"
 Path(sys.argv[1], "rank" + os.environ["RANK"]).write_text(answer)
 """

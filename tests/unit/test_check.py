@@ -13,7 +13,7 @@ from PIL import Image
 from ddptrain.config import Config
 from ddptrain.data import check, folder
 from ddptrain.data.loaders import build_data
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.report.progress import counting, say
 

@@ -12,7 +12,7 @@ from torch import nn
 from ddptrain import cli, faults
 from ddptrain.config import Config
 from ddptrain.config_layers import resumed
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.model.parallelize import unwrap
 from ddptrain.state import files, sharded

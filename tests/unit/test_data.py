@@ -9,7 +9,7 @@ from ddptrain.config import Config
 from ddptrain.data import check, folder
 from ddptrain.data.loaders import build_data
 from ddptrain.data.transforms import val_transform
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
 
 ONE = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.config import Config
-from ddptrain.dist import env, launch, ports
-from ddptrain.dist.env import (
+from ddptrain.distributed import env, launch, ports
+from ddptrain.distributed.env import (
     SpawnSlot,
     _backend,
     _device,
@@ -18,7 +18,7 @@ from ddptrain.dist.env import (
     init_distributed,
     local_index,
 )
-from ddptrain.dist.ports import free_port
+from ddptrain.distributed.ports import free_port
 from ddptrain.errors import UserError
 
 LAUNCHER_VARS = (

@@ -8,7 +8,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ddptrain.config import Config
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.train.ema import ModelEma, build_ema
 
 ONE = DistEnv(0, 1, 0, 1, torch.device("cpu"))

@@ -13,7 +13,7 @@ import torchvision
 
 from ddptrain.config import Config
 from ddptrain.data import synth
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError, WriteFailed
 from ddptrain.report.metrics import MetricsLog
 from ddptrain.state import files

@@ -15,7 +15,7 @@ from ddptrain.data.folder import ImageFolder, load_rgb
 from ddptrain.data.loaders import build_data
 from ddptrain.data.sampler import SeededSamples
 from ddptrain.data.transforms import MEAN, STD, train_transform, val_transform
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError, one_line
 from ddptrain.model.precision import Precision
 

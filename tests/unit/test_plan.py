@@ -240,7 +240,7 @@ def test_a_run_plans_with_its_own_flags(monkeypatch):
     import torch
 
     from ddptrain.config import Config
-    from ddptrain.dist.env import DistEnv
+    from ddptrain.distributed.env import DistEnv
     from ddptrain.run import _plan
 
     planned = []

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ddptrain.config import Config
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.model import precision
 from ddptrain.model.build import build_model

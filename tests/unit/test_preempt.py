@@ -4,7 +4,7 @@ import signal
 import pytest
 import torch
 
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import Stopped, report
 from ddptrain.train.preempt import StopRequests
 

@@ -6,7 +6,7 @@ import torchvision
 from safetensors.torch import save_file
 
 from ddptrain.cli import parse
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.tools.export import export

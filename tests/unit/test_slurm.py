@@ -2,7 +2,7 @@
 
 import pytest
 
-from ddptrain.dist.slurm import expand_nodelist, placement, started_by_srun, tasks_per_node
+from ddptrain.distributed.slurm import expand_nodelist, placement, started_by_srun, tasks_per_node
 from ddptrain.errors import UserError
 
 

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from ddptrain.dist.threads import (
+from ddptrain.distributed.threads import (
     cpu_threads,
     share_cpu_threads,
     too_many_workers,

@@ -8,7 +8,7 @@ from torch import nn
 
 from ddptrain.config import Config
 from ddptrain.data.loaders import Data
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.model.precision import Precision
 from ddptrain.report.reporter import Reporter

@@ -17,7 +17,7 @@ from ddptrain.data.transforms import (
     val_sizes,
     val_transform,
 )
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 
 ONE = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 

@@ -38,9 +38,9 @@ from ddptrain.data.folder import (
     relative_paths,
 )
 from ddptrain.data.workers import Loader
-from ddptrain.dist.collectives import agree, check_same, gather_from_all
-from ddptrain.dist.env import DistEnv
-from ddptrain.dist.threads import usable_cores
+from ddptrain.distributed.collectives import agree, check_same, gather_from_all
+from ddptrain.distributed.env import DistEnv
+from ddptrain.distributed.threads import usable_cores
 from ddptrain.errors import UserError, first_line
 
 SPLITS = ("train", "val")

@@ -19,7 +19,7 @@ from ddptrain.data.folder import check_same_classes, image_folder
 from ddptrain.data.sampler import EvalShard, GlobalBatchSampler, SeededSamples
 from ddptrain.data.transforms import build_train_transform, build_val_transform
 from ddptrain.data.workers import Loader
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
 
 DUMMY_TRAIN, DUMMY_VAL, DUMMY_CLASSES = 1_281_167, 50_000, 1000  # ImageNet's sizes

@@ -12,8 +12,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from ddptrain.dist.collectives import agree, rank0_first
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.collectives import agree, rank0_first
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError, first_line
 from ddptrain.state.files import load as load_checkpoint
 from ddptrain.state.files import safe_load

@@ -32,8 +32,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel
 
-from ddptrain.dist.collectives import gather_objects
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.collectives import gather_objects
+from ddptrain.distributed.env import DistEnv
 
 HOOKS = ("none", "bf16", "fp16", "powersgd")
 

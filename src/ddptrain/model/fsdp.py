@@ -49,9 +49,9 @@ from torchvision.models import (
     vision_transformer,
 )
 
-from ddptrain.dist.collectives import broadcast_buffers
-from ddptrain.dist.env import DistEnv
-from ddptrain.dist.pairwise import PairwiseAllGather, PairwiseReduceScatter
+from ddptrain.distributed.collectives import broadcast_buffers
+from ddptrain.distributed.env import DistEnv
+from ddptrain.distributed.pairwise import PairwiseAllGather, PairwiseReduceScatter
 from ddptrain.errors import UserError
 
 BLOCKS = (
@@ -175,7 +175,7 @@ def shard(
 
 def _overlap_pairwise(model: nn.Module, groups: list[nn.Module]) -> None:
     """FSDP's collectives as pairwise sends, in gloo's threads while the step computes (see
-    dist/pairwise.py): gloo's own all-gather and reduce-scatter run at half their speed, and
+    distributed/pairwise.py): gloo's own all-gather and reduce-scatter run at half their speed, and
     FSDP2 waits for each collective where it issues it on the CPU (no streams). On the CPU only:
     gloo's sends take host memory (its collectives copy a GPU's through it).
 

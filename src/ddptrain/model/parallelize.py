@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.config import Config
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.model import comm_hooks, fsdp
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from ddptrain import faults
-from ddptrain.dist.collectives import all_sum
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.collectives import all_sum
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError, write_failed
 from ddptrain.state.files import atomic_write
 

@@ -9,8 +9,8 @@ their caller instead: they never print.
 
 from pathlib import Path
 
-from ddptrain.dist.collectives import agree
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.collectives import agree
+from ddptrain.distributed.env import DistEnv
 from ddptrain.report.metrics import MetricsLog
 from ddptrain.report.progress import make_progress, say
 from ddptrain.report.records import SummaryCsv, TensorBoardSink

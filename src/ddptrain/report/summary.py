@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torchvision
 
 from ddptrain import __version__
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 
 
 def start_summary(config, env, loaders, precision, parameters, steps_per_epoch, resume) -> dict:

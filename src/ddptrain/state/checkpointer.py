@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from ddptrain.dist.collectives import agree, broadcast_buffers
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.collectives import agree, broadcast_buffers
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.state import files, sharded
 from ddptrain.state.files import FORMAT_VERSION

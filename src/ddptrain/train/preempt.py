@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.data.workers import STOP_SIGNALS
-from ddptrain.dist.collectives import start_max_on_cpu
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.collectives import start_max_on_cpu
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import Stopped
 
 # A MAX all-reduce of (this minus a step) finds the earliest step any rank reported.

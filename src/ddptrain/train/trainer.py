@@ -16,9 +16,9 @@ from ddptrain import faults
 from ddptrain.config import Config
 from ddptrain.data.loaders import Data
 from ddptrain.data.sampler import PADDING
-from ddptrain.dist.collectives import broadcast_buffers
-from ddptrain.dist.env import DistEnv
-from ddptrain.dist.phases import Phases
+from ddptrain.distributed.collectives import broadcast_buffers
+from ddptrain.distributed.env import DistEnv
+from ddptrain.distributed.phases import Phases
 from ddptrain.errors import Stopped, UserError
 from ddptrain.model.parallelize import reshard_gathered, unwrap
 from ddptrain.model.precision import Precision

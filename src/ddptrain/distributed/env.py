@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.config import Config
-from ddptrain.dist import slurm
-from ddptrain.dist.threads import share_cpu_threads
+from ddptrain.distributed import slurm
+from ddptrain.distributed.threads import share_cpu_threads
 from ddptrain.errors import UserError, first_line
 
 

@@ -25,7 +25,7 @@ import time
 
 import torch.distributed as dist
 
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import write_line
 
 # Within one global step, in the order a rank goes through them; then what follows a step (the

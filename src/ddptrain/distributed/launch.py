@@ -13,8 +13,8 @@ import torch
 import torch.multiprocessing as mp
 
 from ddptrain.config import Config
-from ddptrain.dist.env import SpawnSlot
-from ddptrain.dist.ports import free_port
+from ddptrain.distributed.env import SpawnSlot
+from ddptrain.distributed.ports import free_port
 from ddptrain.errors import UserError, end_process, report_errors
 
 # Stops the ranks act on (train/preempt.py), passed on from this process as torchrun passes them

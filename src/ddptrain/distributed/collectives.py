@@ -6,7 +6,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ddptrain.dist.env import DistEnv
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
 
 
