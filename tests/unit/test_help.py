@@ -14,8 +14,10 @@ import pytest
 
 from ddptrain.cli import build_parser, parse
 from ddptrain.config import settings
+from ddptrain.tools import flags
 
 GOLDEN = Path(__file__).parent / "golden" / "train_help.txt"
+FLAGS_PAGE = Path(__file__).parents[2] / "docs" / "flags.md"
 GOLDEN_PYTHON = (3, 11)
 
 
@@ -78,3 +80,8 @@ def test_help_and_flag_mistakes_answer_before_torch_is_imported(argv):
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
     )
     assert done.stdout.splitlines()[-1] == "[]", done.stderr
+
+
+def test_the_flags_page_is_generated_from_the_code():
+    """After changing a flag: python -m ddptrain.tools.flags > docs/flags.md"""
+    assert FLAGS_PAGE.read_text() == flags.reference()
