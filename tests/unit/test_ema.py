@@ -131,3 +131,69 @@ def test_off_by_default():
     assert build_ema(net(), Config(), ONE, steps_per_epoch=5) is None
     ema = build_ema(net(), Config(model_ema=True, lr_warmup_epochs=1.5), ONE, steps_per_epoch=4)
     assert (ema.every, ema.warmup_steps) == (32, 6)
+
+
+def set_weights(model, value):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+
+
+def first_weight(ema):
+    return next(ema.module.parameters()).flatten()[0].item()
+
+
+def test_a_short_run_s_average_follows_the_model_not_its_first_weights():
+    """200 steps against a decay of 0.998 (a horizon of 500 steps), the weights moving from 1 to
+    200 by one a step: the average holds the run's last stretch; at the plain decay it would
+    still hold mostly the first weights."""
+    config = Config(model_ema=True, model_ema_decay=0.998, model_ema_steps=1)
+    model = net()
+    ema = build_ema(model, config, ONE, steps_per_epoch=20)
+    for step in range(1, 201):
+        set_weights(model, step)
+        ema.update(model, step)
+    assert abs(first_weight(ema) - 180) < 0.5  # a tenth of the updates behind
+    plain = ModelEma(model, ONE, decay=0.998)
+    for step in range(1, 201):
+        set_weights(model, step)
+        plain.update(model, step)
+    assert first_weight(plain) < 60
+
+
+def test_the_warm_up_begins_where_the_lr_warmup_s_restarts_end():
+    config = Config(model_ema=True, model_ema_decay=0.998, model_ema_steps=1, lr_warmup_epochs=2)
+    ema = build_ema(net(), config, ONE, steps_per_epoch=5)
+    model = net()
+    for step in range(1, 11):  # the LR warmup: each update copies the weights
+        set_weights(model, step)
+        ema.update(model, step)
+        assert first_weight(ema) == step
+    set_weights(model, 11)
+    ema.update(model, 11)  # the first averaging update, at the warm-up's first decay
+    assert abs(first_weight(ema) - (2 / 11 * 10 + 9 / 11 * 11)) < 1e-5
+    assert ema.updates == 2
+
+
+def test_a_long_run_s_decay_is_the_configured_one():
+    """The decay reaches D^K after about 9 / (1 - D) steps and stays there: each update then
+    weighs the average by D^K and the weights by 1 - D^K."""
+    for every in (1, 4):
+        config = Config(model_ema=True, model_ema_decay=0.99, model_ema_steps=every)
+        model = net()
+        ema = build_ema(model, config, ONE, steps_per_epoch=10)
+        decays = []
+        for step in range(1, 1200 * every + 1):
+            if step % every == 0:
+                decays.append(ema.current_decay())
+            ema.update(model, step)
+        assert decays[0] == 0.0 and decays == sorted(decays)
+        assert decays[-1] == 0.99**every
+        full = decays.index(0.99**every)
+        assert 850 <= full * every <= 900, full  # (1 + n) / (10 + n) >= D^K
+        train_step(model, 1)
+        before, current = float_state(ema.module), float_state(model)
+        ema.update(model, 1200 * every + every)
+        for k, v in float_state(ema.module).items():
+            expected = 0.99**every * before[k] + (1 - 0.99**every) * current[k]
+            assert torch.allclose(v, expected, rtol=1e-6, atol=1e-7), k

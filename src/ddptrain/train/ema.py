@@ -19,6 +19,13 @@ per step here (recipes/resnet50-torchvision.toml).
 During the LR warmup (warmup_steps), the average restarts at every update, so it holds the
 current weights, as torchvision's references reset theirs in the warmup epochs: an average of
 the random initial weights would take 1 / (1 - D) steps to forget.
+
+The decay warms up (build_ema sets ramp): the n-th update after the average (re)started (last at
+the LR warmup's end) takes min(D^K, (1 + n) / (10 + n)), TensorFlow's ExponentialMovingAverage
+with num_updates. The average then holds about the last tenth of its updates, for any K, until that
+outgrows the horizon (after 9 / (1 - D) steps); a fixed D would keep a run shorter than its
+horizon tied to the weights it began from, long left behind. The ramp counts `updates` alone,
+which checkpoints hold: a resumed run and any world size take the same decays.
 """
 
 import copy
@@ -45,21 +52,32 @@ class ModelEma:
         every: int = 1,
         warmup_steps: int = 0,
         averaged: nn.Module | None = None,
+        ramp: bool = False,
     ):
         """model: the trained model, unwrapped (placed; under fsdp, sharded). averaged: the
         module that holds the average, shaped as model: by default a deep copy of it; under
-        fsdp a twin sharded alike (fsdp.shard_twin), into which the model's shards are copied."""
+        fsdp a twin sharded alike (fsdp.shard_twin), into which the model's shards are copied.
+        ramp: warm the decay up (see above); without it every update takes D^K, as torch's
+        AveragedModel does."""
         assert every >= 1
         self.env, self.every, self.warmup_steps = env, every, warmup_steps
+        self.decay, self.ramp = decay**every, ramp
         if averaged is None:
             averaged = copy.deepcopy(model)
         else:
             _copy(_held(model), _held(averaged))
         self.module = averaged
         self.module.eval()  # never trained; evaluate() sets the mode anyway
-        self.average = get_ema_multi_avg_fn(decay**every)
         self.updates = 0
         self.weights = ModelState(self.module, env, is_sharded(self.module))
+
+    def current_decay(self) -> float:
+        """The decay of the next update, after `updates` of them (the first copies)."""
+        if self.updates == 0:
+            return 0.0
+        if not self.ramp:
+            return self.decay
+        return min(self.decay, (1 + self.updates) / (10 + self.updates))
 
     def start_from(self, model: nn.Module) -> None:
         """The average begins anew at the model's weights as they are now (restored from a
@@ -82,13 +100,14 @@ class ModelEma:
             # By device and dtype, as AveragedModel groups them: the average lerps floats and
             # takes another formula for integers (BatchNorm's batch counts), chosen by the
             # first tensor of a call.
+            average = get_ema_multi_avg_fn(self.current_decay())
             groups = defaultdict(lambda: ([], []))
             for averaged, current in zip(mine, theirs, strict=True):
                 group = groups[averaged.device, averaged.dtype]
                 group[0].append(averaged)
                 group[1].append(current)
             for averaged, current in groups.values():
-                self.average(averaged, current, None)
+                average(averaged, current, None)
         self.updates += 1
 
     def state_dict(self) -> dict:
@@ -146,5 +165,11 @@ def build_ema(
         return None
     warmup_steps = round(config.lr_warmup_epochs * steps_per_epoch)
     return ModelEma(
-        model, env, config.model_ema_decay, config.model_ema_steps, warmup_steps, averaged
+        model,
+        env,
+        config.model_ema_decay,
+        config.model_ema_steps,
+        warmup_steps,
+        averaged,
+        ramp=True,
     )
