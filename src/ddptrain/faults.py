@@ -1,6 +1,10 @@
 """Fault injection for the test suite and bench/: kill or stall this process at a named point.
 
-Inert unless the DDPTRAIN_TEST_* environment variables are set; nothing else reads them.
+Inert unless the DDPTRAIN_TEST_* environment variables are set; nothing else reads them. The
+training loop holds no test code: `Faults`, installed on a run (run.py) only when a variable asks
+for it, follows the run through the phases every rank records anyway (Run.mark) and through
+hooks on the model. The kill points and full disks of the atomic writes (state/files.py and the
+writers) stay where the bytes are written.
 
 - DDPTRAIN_TEST_KILL=POINT:RANK:STEP sends SIGKILL to global rank RANK at POINT of global step
   STEP (1-based: the step being taken). Points: `data` (while the step's batch is being loaded),
@@ -39,12 +43,71 @@ KILL, ONCE, SIGNAL, STALL, NAN, NAN_GRAD, ENOSPC = (
 )
 POINTS = ("data", "backward", "between", "evaluation", "before_rename", "after_rename")
 
-_rank = 0  # this process's global rank, set by the trainer
+_rank = 0  # this process's global rank, set by Faults.asked
 
 
-def set_rank(rank: int) -> None:
-    global _rank
-    _rank = rank
+class Faults:
+    """This rank's faults in one run: created by `asked`, installed on the model by `install`,
+    told of each phase by `entered` and of each val batch by `evaluating`."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.phase, self.step = "", 0  # the run's last phase (Run.mark) and its global step
+        self.began = False  # the first step's data fetch was entered
+        self.agreed_step = 0  # the last step whose agreement was entered
+        self.gradient_poisoned_at = 0
+
+    @classmethod
+    def asked(cls, rank: int) -> "Faults | None":
+        """The faults the environment asks of this rank's run, None when it asks for none."""
+        global _rank
+        _rank = rank  # for the kill points of the atomic writes
+        if not any(os.environ.get(v) for v in (KILL, STALL, NAN, NAN_GRAD)):
+            return None
+        return cls(rank)
+
+    def setup(self) -> None:
+        """In setup, once the out-dir is locked."""
+        maybe_stall(self.rank, "setup")
+
+    def install(self, model) -> None:
+        """model: the unwrapped model. Its first parameter's gradient comes last in backward,
+        once DDP has all-reduced the other buckets."""
+        model.register_forward_pre_hook(self._on_forward)
+        next(model.parameters()).register_hook(self._on_first_gradient)
+
+    def entered(self, phase: str, global_step: int) -> None:
+        self.phase, self.step = phase, global_step
+        if phase == "step agreement":
+            kill_point("between", global_step)
+            self.agreed_step = global_step
+        elif phase == "data fetch" and not self.began:  # before the run's first step
+            self.began = True
+            maybe_stall(self.rank)
+        elif phase == "data fetch" and self.agreed_step == global_step:
+            kill_point("data", global_step)
+
+    def evaluating(self, global_step: int, batch: int) -> None:
+        if batch == 1:  # the val loader's workers are running
+            kill_point("evaluation", global_step)
+
+    def _training(self) -> bool:
+        """In a training step: its forward and backward follow its data fetch."""
+        return self.phase == "data fetch"
+
+    def _on_forward(self, module, inputs):
+        if self._training() and _asked(NAN, self.step):
+            return (inputs[0] * float("nan"), *inputs[1:])
+        return None
+
+    def _on_first_gradient(self, grad):
+        if not self._training():
+            return grad
+        kill_point("backward", self.step)
+        if _asked(NAN_GRAD, self.step) and self.gradient_poisoned_at != self.step:
+            self.gradient_poisoned_at = self.step  # once a step, whatever the accumulation
+            return grad * float("nan")
+        return grad
 
 
 def armed(point: str, step: int) -> bool:
@@ -73,29 +136,6 @@ def _asked(variable: str, step: int) -> bool:
     """Whether `variable` (RANK:STEP[,STEP...]) names this rank and global step."""
     rank, _, steps = os.environ.get(variable, "").partition(":")
     return rank == str(_rank) and str(step) in steps.split(",")
-
-
-def poison(images, step: int):
-    """images, or NaN in their place where DDPTRAIN_TEST_NAN asks for it at this step."""
-    if _asked(NAN, step):
-        return images * float("nan")
-    return images
-
-
-def poison_gradient(model, step: int) -> None:
-    """The first parameter's gradient NaN in this step's backward, where DDPTRAIN_TEST_NAN_GRAD
-    asks for it (once: the hook passes gradients through after that)."""
-    if not _asked(NAN_GRAD, step):
-        return
-    used = []
-
-    def once(grad):
-        if used:
-            return grad
-        used.append(True)
-        return grad * float("nan")
-
-    next(model.parameters()).register_hook(once)
 
 
 def maybe_stall(rank: int, where: str = "") -> None:

@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddptrain import faults
 from ddptrain.config import MEMORY_SETTINGS, Config, inert_flags
 from ddptrain.config_layers import resumed
 from ddptrain.data.check import images_to_leave_out
@@ -30,6 +29,7 @@ from ddptrain.distributed.env import DistEnv, SpawnSlot, init_distributed, teard
 from ddptrain.distributed.phases import Phases
 from ddptrain.distributed.threads import too_many_workers, usable_cores
 from ddptrain.errors import Stopped, UserError, first_line, peer_lost, report
+from ddptrain.faults import Faults
 from ddptrain.model import fsdp
 from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.parallelize import (
@@ -117,7 +117,9 @@ def _train(config: Config, env: DistEnv, phases: Phases, stop: StopRequests) -> 
         unlocked = agree(env, lambda: lock_out_dir(out_dir) if env.is_main else None)
         if unlocked:  # a file system without locks
             warn(env, unlocked)
-    faults.maybe_stall(env.rank, "setup")
+    faults = Faults.asked(env.rank)  # the test suite's, None unless it asks
+    if faults is not None:
+        faults.setup()
     seed = from_rank0(env, lambda: _data_seed(config))
     resume = from_rank0(
         env, lambda: find_resume(config.resume, out_dir, config.evaluate, lambda w: warn(env, w))
@@ -222,6 +224,8 @@ def _train(config: Config, env: DistEnv, phases: Phases, stop: StopRequests) -> 
     state = _restore(checkpointer, saved, scheduler, position)
     if ema is not None and saved is not None and "model_ema" not in saved:
         ema.start_from(unwrap(model))  # --model-ema new on resume: not from the built weights
+    if faults is not None:
+        faults.install(unwrap(model))
     if precision.compile:
         model = compile_model(model)
     run = trainer.Run(
@@ -240,6 +244,7 @@ def _train(config: Config, env: DistEnv, phases: Phases, stop: StopRequests) -> 
         ema=ema,
         phases=phases,
         profiler=_profiler(config, env, out_dir),
+        faults=faults,
     )
     try:
         if config.evaluate:

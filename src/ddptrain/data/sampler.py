@@ -11,8 +11,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from ddptrain import faults
-
 
 class SeededSamples(Dataset):
     """Applies each sample's own augmentation seed, delivered by the sampler with its index."""
@@ -66,7 +64,6 @@ class GlobalBatchSampler(Sampler):
         order = torch.randperm(self.num_samples, generator=generator)
         sample_seeds = torch.randint(0, 2**62, (self.num_samples,), generator=generator)
         for step in range(self.start_step, self.steps):
-            faults.kill_point("data", self.epoch * self.steps + step + 1)
             start = step * self.global_batch + self.rank * self.per_rank
             for index in order[start : start + self.per_rank].tolist():
                 yield index, int(sample_seeds[index])

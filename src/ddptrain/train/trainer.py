@@ -12,7 +12,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ddptrain import faults
 from ddptrain.config import Config
 from ddptrain.data.loaders import Data
 from ddptrain.data.sampler import PADDING
@@ -20,6 +19,7 @@ from ddptrain.distributed.collectives import broadcast_buffers
 from ddptrain.distributed.env import DistEnv
 from ddptrain.distributed.phases import Phases
 from ddptrain.errors import Stopped, UserError
+from ddptrain.faults import Faults
 from ddptrain.model.parallelize import reshard_gathered, unwrap
 from ddptrain.model.precision import Precision
 from ddptrain.report.metrics import Sums, summarize
@@ -91,6 +91,7 @@ class Run:
     skipped: int = 0  # steps whose update --nonfinite skip dropped in this run
     phases: Phases | None = None  # None: no record of where this rank is
     profiler: StepProfiler | None = None  # --profile, on rank 0
+    faults: Faults | None = None  # the test suite's, when it asks for some (faults.py)
 
     def step(self) -> Step:
         return Step(
@@ -108,6 +109,8 @@ class Run:
     def mark(self, phase: str, global_step: int) -> None:
         if self.phases is not None:
             self.phases.enter(phase, global_step)
+        if self.faults is not None:
+            self.faults.entered(phase, global_step)
 
     def evaluate(self, model: nn.Module, phase: str, global_step: int) -> dict[str, float]:
         """evaluate() on the val set, recorded as `phase` of global_step. A collective."""
@@ -116,8 +119,8 @@ class Run:
         def count(batch: int) -> None:
             if self.phases is not None:
                 self.phases.count(batch)
-            if batch == 1:  # the val loader's workers are running
-                faults.kill_point("evaluation", global_step)
+            if self.faults is not None:
+                self.faults.evaluating(global_step, batch)
 
         return evaluate(model, self.data.val_loader, self.env, self.precision, count)
 
@@ -138,14 +141,6 @@ def save(run: Run, state: TrainState, is_best: bool = False) -> None:
     if run.checkpointer is not None:
         run.checkpointer.save(state, is_best)
     run.stop.unsaved = False
-
-
-def _backward_fault(model: nn.Module, step: int) -> None:
-    """Test fault injection inside the backward pass: the first layer's gradient comes last, once
-    DDP has already all-reduced the other buckets."""
-    if faults.armed("backward", step):
-        first = next(model.parameters())
-        first.register_hook(lambda grad: faults.kill_point("backward", step))
 
 
 def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
@@ -173,10 +168,8 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
     batches = iter(run.data.train_loader)
     reporter.begin_epoch(epoch, config.epochs, first, steps)
     run.mark("data fetch", state.global_step + 1)
-    faults.maybe_stall(env.rank)
     run.stop.agreeing = True
     for step in range(first + 1, steps + 1):
-        faults.kill_point("between", state.global_step + 1)
         run.mark("step agreement", state.global_step + 1)
         signum = run.stop.agreed()
         if run.stop.nonfinite_step:
@@ -192,9 +185,6 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
         target = target.to(env.device, non_blocking=True)
         if run.criterion is not None:
             images, target = run.criterion.prepare(images, target, torch.default_generator)
-        images = faults.poison(images, state.global_step + 1)
-        _backward_fault(model, state.global_step + 1)
-        faults.poison_gradient(model, state.global_step + 1)
         loss, output = step_once(images, target)
         state.global_step += 1
         if step_once.skipped:
@@ -294,8 +284,7 @@ def _validate(run: Run, global_step: int) -> tuple[dict, dict | None]:
 
 
 def fit(run: Run, state: TrainState) -> TrainState:
-    config, env, reporter = run.config, run.env, run.reporter
-    faults.set_rank(env.rank)
+    config, reporter = run.config, run.reporter
     start, val = time.perf_counter(), None
     for epoch in range(state.epoch, config.epochs):
         if state.epoch_step == 0 or state.epoch_lr is None:  # else resumed mid-epoch
