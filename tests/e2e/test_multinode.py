@@ -83,8 +83,9 @@ def test_two_srun_tasks_equal_one_agent_with_two_ranks(tiny_data, tmp_path, one_
 
 
 def test_a_killed_rank_of_two_agents_restarts_and_ends_bitwise_equal(tiny_data, tmp_path):
-    """--max-restarts across agents: each restart attempt gets a fresh rendezvous store (the
-    README's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and the run resumes from its checkpoint."""
+    """--max-restarts across agents: each restart attempt gets a fresh rendezvous store
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as docs/faults.md says), and the run resumes from its
+    checkpoint."""
     train = ("train", *tiny_args(tiny_data, tmp_path / "killed"), "--epochs", 2)
     train = (*train, "--checkpoint-every", 2, "--resume", "auto")
     endpoint, marker = f"127.0.0.1:{free_port()}", tmp_path / "fired"

@@ -11,7 +11,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def write_metrics(run_dir, epochs: int, ema: bool = False, lr: float = 0.1):
-    """metrics.jsonl as a run writes it (README, Files a run writes)."""
+    """metrics.jsonl as a run writes it (docs/files.md)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = []
     for epoch in range(1, epochs + 1):
