@@ -82,7 +82,7 @@ def _read_rgb(path: str, max_pixels: int | None) -> torch.Tensor:
 
 def _check_size(encoded: bytes, max_pixels: int | None) -> None:
     """Refuses a decompression bomb by what its header declares, before a decoder allocates
-    the pixels. PIL reads just the header here (about 20 us, under 1% of a decode)."""
+    the pixels. PIL reads just the header here, a small fraction of a decode's cost."""
     if max_pixels is None or not encoded:
         return
     try:
@@ -129,7 +129,7 @@ class ImageFolder(datasets.ImageFolder):
         for entry in entries:
             if entry.is_symlink():
                 # A link that leads nowhere is no folder, so no class: a class on an unmounted
-                # disk, in train and val alike, left the run one class short without a word.
+                # disk, in train and val alike, would leave the run one class short unsaid.
                 try:
                     os.stat(entry.path)
                 except OSError as err:

@@ -166,7 +166,7 @@ def _restart_safe_store(
     (pytorch/pytorch#135712), so a restarted process group can read the dead attempt's peer
     addresses and fail to connect, or hang. On one node every worker has the same restart count:
     prefixing keys with it separates the attempts. Across nodes the counts can differ; there
-    the README says to run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store
+    docs/faults.md says to run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store
     per attempt): this returns None there and, with restarts on, says so on rank 0.
     """
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -296,10 +296,7 @@ def teardown_distributed() -> None:
         dist.destroy_process_group()
         # Gloo's worker threads drop a finished collective's tensors themselves, which takes the
         # GIL; one still waiting for it when the interpreter finalizes aborts the process
-        # (SIGABRT, "terminate called without an active exception") after a run that succeeded.
-        # destroy_process_group joins those threads only when nothing else holds the group, and
-        # under fsdp DTensor's caches keep it (through the device mesh) until the interpreter
-        # ends. torch has no way to wait for that release: a pause with the GIL released lets
-        # the threads finish it (2 ms was enough in 30 of 30 tries of a job that aborted in 11
-        # of 30 without it; tests/distributed/test_exit.py).
+        # (SIGABRT) after a run that succeeded. Under fsdp DTensor's caches hold the group until
+        # then, so destroy_process_group cannot join those threads, and torch cannot wait for
+        # them: a pause with the GIL released lets them finish (docs/faults.md).
         time.sleep(0.1)

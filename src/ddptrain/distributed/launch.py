@@ -98,9 +98,9 @@ def spawn(config: Config, train: Callable[[Config, SpawnSlot], object]) -> int:
 
 def _wait(context: mp.ProcessContext) -> None:
     """Until every rank has ended (ProcessContext.join ends the others when one fails), passing
-    on the signals this process gets: left to their defaults, a SIGTERM killed it and its ranks
-    were interrupted without the checkpoint a stop writes, and a SIGINT ended its wait while
-    the ranks trained on."""
+    on the signals this process gets: left to their defaults, a SIGTERM would kill it and
+    interrupt its ranks without the checkpoint a stop writes, and a SIGINT would end its wait
+    while the ranks train on."""
     interrupted_at: list[float] = []
 
     def pass_on(signum: int) -> None:

@@ -1,10 +1,8 @@
 """FSDP's all-gather and reduce-scatter over gloo as pairwise sends, overlapped with compute.
 
 Gloo's own all_gather_single and reduce_scatter_single move the same bytes at about half the
-speed of every pair of ranks exchanging its chunks directly: on 2 ranks over loopback, 96 MiB
-of fp32 gathered in 118 against 56 ms, and reduce-scattered in 148 against 71 ms, where a ring
-all-reduce of the whole takes 83 (`torchrun --standalone --nproc-per-node 2 -m
-bench.collectives` measures them side by side). FSDP2 takes its collectives as objects
+speed of every pair of ranks exchanging its chunks directly (`bench.collectives`; figures in
+docs/performance.md). FSDP2 takes its collectives as objects
 (`set_custom_all_gather`, `set_custom_reduce_scatter`); these are those objects for a gloo
 group. Each rank sends its chunk to every other rank and receives theirs, all at once: the same
 bytes per rank as a ring, in one round.
@@ -20,8 +18,8 @@ where it is issued. So these run in gloo's threads while the step computes (asyn
 The reduce-scatter in flight keeps its block's gradients (its input) and (N-1)/N of them more
 (what the peers send) until the next block's starts: during the next block's backward, about
 one block's gradients more than FSDP2 on gloo's own collectives holds, which the planner's
-trace does not count (resnet50's and vit_b_16's bench peaks did not rise: activations dominate;
-one large unit, as VGG's first classifier layer, would show it). Asked for a reduction other
+trace does not count (activations usually dominate the peak; one large unit, as VGG's first
+classifier layer, would show it). Asked for a reduction other
 than a sum or mean, they hand over to gloo's own collective. FSDP calls them on 2 or more ranks
 only.
 """

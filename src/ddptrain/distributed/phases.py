@@ -91,8 +91,8 @@ class Phases:
 
     def end_together(self, within: float = END_WITHIN) -> None:
         """After this rank printed why it ends: waits until every rank has (or `within` seconds
-        passed). A launcher ends all ranks as soon as the first exits, which cut off a rank
-        that had more to print before its line (rank 0's list of bad images)."""
+        passed). A launcher ends all ranks as soon as the first exits, which would cut off a
+        rank with more to print before its line (rank 0's list of bad images)."""
         if self._store is None:
             return
         deadline = time.monotonic() + within

@@ -2,24 +2,21 @@
 
 bf16 and fp16 compression halve the bytes of each all-reduce; PowerSGD sends a low-rank
 approximation of each gradient matrix and keeps the rest as error feedback for the next step.
-All three run on gloo and NCCL (measured on gloo with torch 2.14; `batched_powerSGD_hook` is
-broken there and is not offered).
+All three run on gloo and NCCL (`batched_powerSGD_hook` is broken on gloo and is not offered).
 
-PowerSGD on gloo runs with one bucket (parallelize.py): with several, the ranks issued its
+PowerSGD on gloo runs with one bucket (parallelize.py): with several, the ranks issue its
 chained all-reduces in different orders. Its state (step count, generator, low-rank memories,
-each rank's error feedback) is checkpointed, and a resumed run is bitwise the uninterrupted one
-(measured on 2 gloo ranks, mid-epoch and at an epoch's end). The memories and the error feedback
-are flat tensors laid out in the order of the bucket's parameters, and that order can change:
-DDP builds a process's first bucket in the parameters' order and rebuilds it, after the first
-backward, in the order their gradients became ready. ddptrain has that rebuild done before
-training (parallelize.lay_out_buckets), so a run's hook meets one layout from its first step on;
-a DDP wrapped without it (as some tests do) meets the change at its second step, where a state
-fed as it was mixed up the parameters' errors and memories (a resnet18 went non-finite). So the
-state remembers the parameter order it was written in, is checkpointed with it, and is moved
-into the bucket's order whenever that changes. Where the state was saved in several buckets
-(NCCL, not measured here), the first step after a resume still all-reduces plainly, a precaution
-kept from before the buckets were laid out up front (PowerSGDCheckpoint.load_state_dict): close
-to the uninterrupted run, not bitwise.
+each rank's error feedback) is checkpointed, so a resumed run is bitwise the uninterrupted one.
+The memories and the error feedback are flat tensors laid out in the order of the bucket's
+parameters, and that order can change: DDP builds a process's first bucket in the parameters'
+order and rebuilds it, after the first backward, in the order their gradients became ready.
+ddptrain has that rebuild done before training (parallelize.lay_out_buckets), so a run's hook
+meets one layout from its first step on; a DDP wrapped without it (as some tests do) meets the
+change at its second step, where a state fed as it was would mix up the parameters' errors and
+memories. So the state remembers the parameter order it was written in, is checkpointed with
+it, and is moved into the bucket's order whenever that changes. Where the state was saved in
+several buckets (NCCL), the first step after a resume all-reduces plainly
+(PowerSGDCheckpoint.load_state_dict): close to the uninterrupted run, not bitwise.
 find_unused_parameters would keep the first layout, but its extra all-reduce interleaves with
 PowerSGD's on gloo and mismatches.
 """
@@ -172,9 +169,9 @@ class PowerSGDCheckpoint(Stateful):
             # A state saved without its layouts cannot be moved into any bucket order; one saved
             # in several buckets (NCCL, gradients over 1 MB) cannot be moved into the single
             # bucket a DDP starts with when it was wrapped without lay_out_buckets. Under
-            # ddptrain's wrap the buckets are met as saved, but several were never measured
-            # here: that step all-reduces plainly, as PowerSGD itself does before
-            # start_powerSGD_iter, and the saved state goes on from the next.
+            # ddptrain's wrap the buckets are met as saved, but several are untested: that step
+            # all-reduces plainly, as PowerSGD itself does before start_powerSGD_iter, and the
+            # saved state goes on from the next.
             s.start_powerSGD_iter = max(s.start_powerSGD_iter, s.iter + 1)
         rng = saved["rng"]
         keys = rng["keys"].numpy().astype(np.uint32)

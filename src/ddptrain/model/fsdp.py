@@ -177,18 +177,16 @@ def _overlap_pairwise(model: nn.Module, groups: list[nn.Module]) -> None:
     """FSDP's collectives as pairwise sends, in gloo's threads while the step computes (see
     distributed/pairwise.py): gloo's own all-gather and reduce-scatter run at half their speed, and
     FSDP2 waits for each collective where it issues it on the CPU (no streams). On the CPU only:
-    gloo's sends take host memory (its collectives copy a GPU's through it).
-
-    On 2 ranks (2 cores, 32 images per rank at 32 px, fp32) the overlap took fsdp from 92.4 to
-    96.5 samples/s on resnet50 and from 40.2 to 44.7 on vit_b_16; either half alone gained at
-    most 4%, as a synchronous all-gather waited behind the reduce-scatter in flight."""
+    gloo's sends take host memory (its collectives copy a GPU's through it). Both collectives
+    overlap, not one alone: a synchronous all-gather would wait behind the reduce-scatter in
+    flight (measured in docs/performance.md)."""
     reduce_scatter = PairwiseReduceScatter()  # one for all groups: at most one in flight
     for module in groups:  # the modules of a group share one FSDP state
         module.set_custom_all_gather(PairwiseAllGather())
         module.set_custom_reduce_scatter(reduce_scatter)
     # Unshards asynchronous (a private setter, torch 2.14; every group under model): in
     # backward, the block FSDP2 prefetches is gathered while the current one computes. In
-    # forward nothing is prefetched, so each block's gather is waited for at once, as before.
+    # forward nothing is prefetched, so each block's gather is waited for at once.
     model._set_unshard_async_op(True)
 
 

@@ -149,11 +149,11 @@ def lay_out_buckets(
     backward of `example`, then the re-layout DDP would otherwise do as the next forward starts.
 
     DDP starts with the parameters in one bucket and re-lays its buckets as the forward after a
-    process's first backward starts: a run resumed at step N reduced step N in the first layout
-    where the uninterrupted run used the second. With three ranks or more the all-reduce adds
-    each element's terms in an order the layout decides (gloo's ring splits the buffer into
-    chunks by offset), so the resumed run drifted from the uninterrupted one (measured on 3 gloo
-    ranks; 2 ranks add a + b, the same either way). Done here, the re-layout (old and new
+    process's first backward starts: a run resumed at step N would reduce step N in the first
+    layout where the uninterrupted run used the second. With three ranks or more the all-reduce
+    adds each element's terms in an order the layout decides (gloo's ring splits the buffer into
+    chunks by offset), so the resumed run would drift from the uninterrupted one (2 ranks add
+    a + b, the same either way; docs/faults.md). Done here, the re-layout (old and new
     buckets held at once) also comes before the optimizer holds any state, a resumed one's
     included. A collective. The weights and buffers (BatchNorm's statistics) are left as they
     were; the gradients are zeros in the new buckets, as they are after every later step that
@@ -179,7 +179,7 @@ def lay_out_buckets(
 def _bucket_cap_mb(comm: Communication) -> float | None:
     """PowerSGD on gloo gets one bucket: each bucket's hook chains its all-reduces from
     callbacks, and with several buckets in flight the ranks issued them in different orders
-    ("collective mismatch", measured with torch 2.14 on 2 ranks)."""
+    ("collective mismatch", torch 2.14)."""
     if comm.hook != "powersgd" or dist.get_backend() != "gloo":
         return comm.bucket_cap_mb
     if comm.bucket_cap_mb is not None:

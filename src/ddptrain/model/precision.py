@@ -7,9 +7,7 @@ on by default for convolutional models: the layout their fast kernels want.
 channels_last lays out the batches, and so every activation, in NHWC; `place` lays out the
 parameters too. Under fsdp on several ranks the parameters stay contiguous (FSDP2 shards
 contiguous parameters; sharding places them, not `place`): a convolution takes its layout from
-its input, so NHWC batches alone get the NHWC kernels (resnet18, bf16, 224 px, one process:
-54.7-60.2 samples/s with contiguous parameters and NHWC batches, 54.3-55.8 all NHWC, 39.8-42.6
-all contiguous).
+its input, so NHWC batches alone get the NHWC kernels (measured in docs/strategies.md).
 """
 
 import contextlib
@@ -49,7 +47,7 @@ class Precision:
         images = images.to(device, non_blocking=True)
         if images.dtype == torch.uint8:
             # (x / 255 - mean) / std in the loader's NCHW layout, where the per-channel constants
-            # make long contiguous runs: on a CPU, 3x faster than in channels_last.
+            # make long contiguous runs: on a CPU, faster than in channels_last.
             scale, shift = _normalization(images.device)
             images = images.float()
             images = torch.addcmul(shift, images, scale, out=images)
@@ -116,9 +114,8 @@ def bf16_units(device: torch.device) -> bool:
 
 def cpu_bf16_units(machine: str, avx512_bf16: bool, amx: bool, onednn_bf16: bool) -> bool:
     """Whether a CPU computes bf16 in hardware. On x86 that takes avx512_bf16 or AMX: oneDNN
-    also says it supports bf16 on plain AVX-512, where it emulates it, about 4x slower than fp32
-    (resnet18 at 224 px, one thread: 3.0 against 11.7 samples/s on an avx512_vnni Xeon). On Arm,
-    oneDNN's answer is the bf16 extension."""
+    also says it supports bf16 on plain AVX-512, where it emulates it, several times slower
+    than fp32 (docs/performance.md). On Arm, oneDNN's answer is the bf16 extension."""
     if machine.lower() in ("x86_64", "amd64", "i386", "i686"):
         return avx512_bf16 or amx
     return onednn_bf16
@@ -135,8 +132,8 @@ def auto_amp(
     needs a GradScaler (a host sync per step) and can overflow.
 
     bitwise: --seed promises bitwise-repeatable runs, which oneDNN's bf16 kernels do not give
-    (two identical resnet18 backward passes differ, even on one thread; measured with torch
-    2.14), so a seeded CPU run stays in fp32. CUDA's deterministic algorithms cover bf16.
+    (two identical resnet18 backward passes differ, even on one thread), so a seeded CPU run
+    stays in fp32. CUDA's deterministic algorithms cover bf16.
     strided_single_pixel: a convolution of the model that oneDNN's bf16 backward gets wrong at
     this crop size (see strided_single_pixel), so the CPU run stays in fp32."""
     if device_type == "cpu" and has_bf16_units and bitwise:
@@ -152,7 +149,7 @@ def auto_amp(
 
 # torch 2.14.1's oneDNN: the bf16 backward of a strided convolution of a 1x1 map leaves part of
 # its weight gradient uninitialised, non-finite at random (a 3x3 stride-2 convolution from 256
-# to 512 channels: 1 in 300 backward passes here; none in 300 at stride 1 or on a 2x2 map).
+# to 512 channels; not at stride 1 or on a 2x2 map: docs/performance.md).
 _WRONG_IN_BF16 = (
     "{} convolves a 1x1 map with a stride at this crop size, where bf16 on a CPU gives "
     "non-finite gradients now and then"

@@ -126,7 +126,7 @@ class ModelState(Stateful):
         only rank 0's, which the load broadcasts to the shards, every tensor contiguous.
         broadcast_from_rank0 (torch 2.14, on any backend) sends a tensor's memory as it lies,
         and the other ranks receive it into contiguous tensors: the channels_last weights (and
-        momentum) of a ddp checkpoint arrived there scrambled."""
+        momentum) of a ddp checkpoint would arrive there scrambled."""
         if not self.sharded:
             return dict(state)
         if not self.env.is_main:
@@ -211,7 +211,7 @@ def training_parts(
 
 def _loading(sharded: bool) -> StateDictOptions:
     # Separate model and optimizer loads: the combined set_state_dict with empty dicts on the
-    # other ranks deadlocks under fsdp (measured with torch 2.14).
+    # other ranks deadlocks under fsdp (torch 2.14).
     return StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded)
 
 

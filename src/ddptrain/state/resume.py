@@ -189,9 +189,9 @@ def check_continuable(saved: dict, config: Config, path: Path) -> None:
     optimizer or --lr-scheduler, or a warmup added or dropped, would fail inside the load, and
     a flag that shapes the schedule would be undone by it. So would another -b under a
     schedule or a warmup, which count optimizer steps of the batch they were made for (a step
-    schedule's drop came an epoch late, a cosine rose again), and the weight decay of
-    norms given or dropped: the optimizer's parameter groups then differ from the saved ones,
-    which loaded into them without a word, and the weights trained at another LR than the
+    schedule's drop would come an epoch late, a cosine rise again), and the weight decay of
+    norms given or dropped: the optimizer's parameter groups would differ from the saved ones,
+    which load into them without a word, and train the weights at another LR than the
     schedule's."""
     was = saved.get("config") or {}
     names = ["opt", "lr_scheduler", "norm_weight_decay"]

@@ -32,7 +32,7 @@ GiB = 2**30
 # The share of a device's memory a plan lets the run take. Not traced: the CUDA context, cuDNN and
 # cuBLAS workspaces, NCCL's own buffers, and the caching allocator's rounding and fragmentation.
 USABLE = 0.9
-TRACE_TIMEOUT = 900  # seconds; resnet50 at 224 px takes about 5 here
+TRACE_TIMEOUT = 900  # seconds; a trace usually takes a few (docs/strategies.md)
 BATCH_SEARCH_TRACES = 4  # traces spent looking for the largest batch that fits
 # Launcher variables a child of a real rank must not see (it plans; it joins no job).
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
@@ -371,8 +371,8 @@ def plan_line(
 ) -> str:
     """One line for a starting run's rank 0: its strategy's per-rank peak; given the device's
     bytes (CUDA), whether it fits, and when not, the other strategy or the global batch that
-    would. A trace in a child process: seconds (about 5 for resnet50 at 224 px here), more when
-    it does not fit and alternatives are traced; all of them within `seconds`, or it fails."""
+    would. A trace in a child process: seconds, more when it does not fit and alternatives are
+    traced; all of them within `seconds`, or it fails."""
     deadline = time.monotonic() + seconds
     figures = trace(workload, (strategy,), deadline)[strategy]
     state = sum(figures[k] for k in ("params", "grads", "optimizer", "ema"))
