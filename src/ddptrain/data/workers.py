@@ -9,10 +9,12 @@ ends a worker that does not stop by itself (it exits then, as torch's own handle
 training process decides for the whole run (train/preempt.py) and ends its workers when done.
 
 Blocked, not ignored: a signal that lands between the worker's fork and its init stays pending
-for the waiting thread instead of taking its default action.
+for the waiting thread instead of taking its default action. A process a worker starts inherits
+the blocked mask.
 """
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import threading
@@ -47,10 +49,11 @@ def _blocked(signals):
 
 
 def _leave_stop_signals(worker_id: int) -> None:
-    # Blocked here too, for start methods other than fork (the child then starts with its own
-    # mask): every thread this worker starts after this keeps them blocked.
+    # Blocked here too, in case the mask was not inherited: every thread this worker starts
+    # after this keeps them blocked.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    parent = os.getppid()
+    # The DataLoader's process, also under forkserver, where getppid() is the fork server.
+    parent = multiprocessing.parent_process().pid
     threading.Thread(target=_drop_stop_signals, args=(parent,), daemon=True).start()
 
 
