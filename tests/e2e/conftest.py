@@ -42,5 +42,7 @@ def slurm_cluster():
     if reason:
         slurm.skip_or_fail(reason)
     cluster = slurm.Cluster().start()
-    yield cluster
-    cluster.stop()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
