@@ -1,19 +1,22 @@
 """docs/flags.md: the flags of `ddptrain train`, by group, as `--help` gives them.
 
 Generated from the parser cli.py builds from the Config fields, so the page cannot drift from
-the code (tests/unit/test_help.py fails when it is stale). Regenerate with:
+the code (tests/unit/test_help.py fails when it is stale); it sits above cli.py, which it
+reads. Regenerate with:
 
-    python -m ddptrain.tools.flags > docs/flags.md
+    python -m ddptrain.flags_page docs/flags.md
 """
 
 import argparse
+import sys
+from pathlib import Path
 
 from ddptrain.cli import build_parser
 
 HEADER = """\
 # Flags of `ddptrain train`
 
-Generated from the code by `python -m ddptrain.tools.flags > docs/flags.md`; `ddptrain train
+Generated from the code by `python -m ddptrain.flags_page docs/flags.md`; `ddptrain train
 --help` says the same. `ddptrain eval` takes the same flags. A config file (`--config FILE`) takes
 the long names without the dashes as keys (`batch-size = 256`); flags given on the command line
 win over it, and it wins over a resumed checkpoint's settings (docs/config.md).
@@ -60,4 +63,4 @@ def _cell(text: str) -> str:
 
 
 if __name__ == "__main__":
-    print(reference(), end="")
+    Path(sys.argv[1]).write_text(reference())

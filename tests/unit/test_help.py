@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from ddptrain import flags_page
 from ddptrain.cli import build_parser, parse
 from ddptrain.config import settings
-from ddptrain.tools import flags
 
 GOLDEN = Path(__file__).parent / "golden" / "train_help.txt"
 FLAGS_PAGE = Path(__file__).parents[2] / "docs" / "flags.md"
@@ -83,5 +83,5 @@ def test_help_and_flag_mistakes_answer_before_torch_is_imported(argv):
 
 
 def test_the_flags_page_is_generated_from_the_code():
-    """After changing a flag: python -m ddptrain.tools.flags > docs/flags.md"""
-    assert FLAGS_PAGE.read_text() == flags.reference()
+    """After changing a flag: python -m ddptrain.flags_page docs/flags.md"""
+    assert FLAGS_PAGE.read_text() == flags_page.reference()
