@@ -7,7 +7,8 @@ hooks on the model. The kill points and full disks of the atomic writes (state/f
 writers) stay where the bytes are written.
 
 - DDPTRAIN_TEST_KILL=POINT:RANK:STEP sends SIGKILL to global rank RANK at POINT of global step
-  STEP (1-based: the step being taken). Points: `data` (while the step's batch is being loaded),
+  STEP (1-based: the step being taken). Points: `data` (as the step's batch is fetched, after
+  the step's agreement),
   `backward` (inside the backward pass, some gradient buckets already all-reduced), `between`
   (before the step starts), `evaluation` (at the first val batch after global step STEP),
   `before_rename` and `after_rename` (while committing a checkpoint file written at step STEP).
@@ -92,7 +93,9 @@ class Faults:
             kill_point("evaluation", global_step)
 
     def _training(self) -> bool:
-        """In a training step: its forward and backward follow its data fetch."""
+        """In a training step: its forward and backward follow its data fetch, the last phase
+        Run.mark hears of before the next step's agreement (Step's own phases within the step
+        go to Phases alone)."""
         return self.phase == "data fetch"
 
     def _on_forward(self, module, inputs):

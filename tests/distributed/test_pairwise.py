@@ -1,4 +1,4 @@
-"""FSDP's all-gather and reduce-scatter as pairwise sends (dist/pairwise.py) give what gloo's
+"""FSDP's all-gather and reduce-scatter as pairwise sends (distributed/pairwise.py) give what gloo's
 own collectives give, on real gloo ranks."""
 
 import pytest

@@ -55,7 +55,7 @@ def test_a_shipped_recipe_runs_and_flags_win(tiny_data, tmp_path):
     saved = state(tmp_path)["config"]
     assert (saved["hflip"], saved["auto_augment"], saved["lr_warmup_epochs"]) == (
         0.0,
-        "ta_wide",
+        "none",
         0.0,
     )
     assert saved["image_size"] == 16 and saved["lr_base"] == 0.2

@@ -226,8 +226,8 @@ def test_sigterm_to_every_process_with_loader_workers_stops_the_job_saved(
     tiny_data, tmp_path, uninterrupted, point, step, stops_after
 ):
     """SLURM signals every process of a job step, loader workers included: the workers leave
-    it to their rank, which stops with the others at one step, saved (before, the workers died
-    and each rank crashed on "DataLoader worker ... is killed by signal: Terminated")."""
+    it to their rank, which stops with the others at one step, saved, and no rank crashes on
+    "DataLoader worker ... is killed by signal: Terminated"."""
     job, out = _stopped_at(tiny_data, tmp_path, point, step)
     try:
         stalled = wait_stopped(job)  # rank 0, at the point
