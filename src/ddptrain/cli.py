@@ -120,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     return top
 
 
+def train_parser() -> argparse.ArgumentParser:
+    """The parser of `ddptrain train` alone (its flags are eval's too)."""
+    return build_parser()._subparsers._group_actions[0].choices["train"]
+
+
 def _add_plot_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="--out-dir of a run")
     p.add_argument(

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ddptrain.cli import build_parser
+from ddptrain.cli import train_parser
 
 HEADER = """\
 # Flags of `ddptrain train`
@@ -27,7 +27,7 @@ _ARGPARSE_GROUPS = ("positional arguments", "options")
 
 
 def reference() -> str:
-    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    train = train_parser()
     groups: dict[str, list[argparse.Action]] = {}
     for group in train._action_groups:
         # argparse's own two groups hold DATA and --config

@@ -162,7 +162,7 @@ def signal_tree(pid: int, signum: int) -> None:
 def wait_stopped(job: subprocess.Popen, timeout: float = DEADLINE) -> int:
     """Waits until a process below job's is stopped (SIGSTOP: state T), and returns it."""
     deadline = time.monotonic() + timeout
-    while not (stopped := [p for p in _descendants(job.pid) if _state(p) == "T"]):
+    while not (stopped := [p for p in _descendants(job.pid) if process_state(p) == "T"]):
         assert job.poll() is None, f"the job ended first (exit {job.returncode})"
         assert time.monotonic() < deadline, "no process of the job stopped"
         time.sleep(0.05)
@@ -197,10 +197,10 @@ def _descendants(pid: int) -> list[int]:
 
 def _alive(pid: int) -> bool:
     """Not yet dead: a zombie has exited (and released its files and locks)."""
-    return _state(pid) not in ("", "Z", "X")
+    return process_state(pid) not in ("", "Z", "X")
 
 
-def _state(pid: int) -> str:
+def process_state(pid: int | str) -> str:
     """The process's state letter in /proc (R, S, T, Z, ...), "" for none."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -18,6 +18,7 @@ from cli import (
     DEADLINE,
     assert_same_training,
     env_with,
+    process_state,
     resumable_args,
     training_state,
     wait_pending,
@@ -153,15 +154,13 @@ def _one_node_of_cpus(script: str) -> str:
 def _stopped_rank(folder: Path) -> int | None:
     """The pid of a rank stopped by SIGSTOP whose command names folder, if one is (SLURM
     starts the ranks, not the test)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for process in Path("/proc").glob("[0-9]*"):
         try:
-            text = stat.read_text()
-            cmdline = (stat.parent / "cmdline").read_bytes()
+            cmdline = (process / "cmdline").read_bytes()
         except OSError:
             continue
-        stopped = text.rsplit(")", 1)[1].split()[0] == "T"
-        if stopped and str(folder).encode() in cmdline:
-            return int(stat.parent.name)
+        if str(folder).encode() in cmdline and process_state(process.name) == "T":
+            return int(process.name)
     return None
 
 

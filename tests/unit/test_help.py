@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddptrain import flags_page
-from ddptrain.cli import build_parser, parse
+from ddptrain.cli import parse, train_parser
 from ddptrain.config import settings
 
 GOLDEN = Path(__file__).parent / "golden" / "train_help.txt"
@@ -45,7 +45,7 @@ def test_eval_has_the_same_flags(capsys, monkeypatch):
 
 
 def test_every_flag_is_documented_by_its_config_field():
-    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    train = train_parser()
     actions = {a.dest: a for a in train._actions}
     for f in settings():
         action = actions[f.name]
