@@ -12,13 +12,13 @@ import itertools
 import json
 import resource
 import time
-from pathlib import Path
 
 import torch
 
 from bench import common
 from ddptrain.config import Config
 from ddptrain.data.loaders import Data, build_data
+from ddptrain.data.sources import open_source
 from ddptrain.distributed.env import init_distributed
 from ddptrain.model.build import build_model
 from ddptrain.model.precision import resolve_precision
@@ -113,7 +113,7 @@ def main() -> None:
     )
     env = init_distributed(config)  # the thread count the CLI would choose, workers counted
     # The batches one epoch of the real loader yields, decoded up front.
-    loaders = build_data(dataclasses.replace(config, workers=0), env, Path(args.data), seed=0)
+    loaders = build_data(dataclasses.replace(config, workers=0), env, open_source(config), seed=0)
     steps = loaders.train_sampler.steps
     batches = list(itertools.islice(loaders.train_loader, steps))
     model = build_model(config.arch, loaders.num_classes, config.image_size, pretrained=False)

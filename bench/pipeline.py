@@ -22,6 +22,7 @@ from torchvision import datasets, transforms
 from bench import common
 from ddptrain.config import Config
 from ddptrain.data.loaders import build_data
+from ddptrain.data.sources import open_source
 from ddptrain.data.transforms import MEAN, STD
 from ddptrain.distributed.env import DistEnv
 from ddptrain.model.precision import Precision
@@ -46,7 +47,7 @@ def classic_loader(root: Path, s: common.Scale) -> DataLoader:
 def ddptrain_loader(root: Path, s: common.Scale) -> DataLoader:
     config = Config(data=str(root), batch_size=s.batch, workers=0, image_size=s.image_size)
     env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=CPU)
-    return build_data(config, env, root, seed=0).train_loader
+    return build_data(config, env, open_source(config), seed=0).train_loader
 
 
 def images_per_sec(loader: DataLoader, finish=lambda images: images, passes: int = 2) -> float:

@@ -1,34 +1,25 @@
-"""Composition root: builds every object of a run in order and always tears down.
+"""Composition root: a run resolves (resolve.py), builds, then fits (train/trainer.py), and
+always tears down.
 
-Setup runs in three phases so that a user error on any rank ends every rank:
-1. decisions rank 0 makes for all (the data seed, which checkpoint to resume);
-2. local work that may fail on some ranks only (data checks, reading the checkpoint and
-   checking that it fits, the out-dir), ended by `agree`;
-3. collective work, reached by every rank, in this order: pretrained weights, place the model
-   (device, dtype, memory format) and wrap it by strategy (under fsdp, sharded first, so that
-   only the shards are placed), build the optimizer on the wrapped parameters (under fsdp, the
-   shards), restore the checkpoint into them.
+Building goes in order, so that a user error on any rank ends every rank: first what may fail
+on some ranks only, each agreed (`agree`): the data, the model checked against the checkpoint,
+the precision, the reporter; then collective work, reached by every rank: pretrained weights,
+place the model (device, dtype, memory format) and wrap it by strategy (under fsdp, sharded
+first, so that only the shards are placed), build the optimizer on the wrapped parameters
+(under fsdp, the shards), restore the checkpoint into them.
 """
 
-import dataclasses
-import os
-import random
-import secrets
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from ddptrain.config import MEMORY_SETTINGS, Config, inert_flags
-from ddptrain.config_layers import resumed
-from ddptrain.data.check import images_to_leave_out
+from ddptrain.config import MEMORY_SETTINGS, Config
 from ddptrain.data.loaders import Data, build_data
-from ddptrain.data.synth import ensure_builtin
-from ddptrain.distributed.collectives import agree, check_same, from_rank0
+from ddptrain.distributed.collectives import agree, check_same
 from ddptrain.distributed.env import DistEnv, SpawnSlot, init_distributed, teardown_distributed
 from ddptrain.distributed.phases import Phases
 from ddptrain.distributed.threads import too_many_workers, usable_cores
-from ddptrain.errors import Stopped, UserError, first_line, peer_lost, report
+from ddptrain.errors import Stopped, first_line, peer_lost, report
 from ddptrain.faults import Faults
 from ddptrain.model import fsdp
 from ddptrain.model.build import build_model, load_pretrained
@@ -44,10 +35,10 @@ from ddptrain.model.parallelize import (
 )
 from ddptrain.model.precision import DTYPES, Precision, resolve_precision
 from ddptrain.report.profile import StepProfiler
-from ddptrain.report.progress import counting, say
-from ddptrain.report.records import require_tensorboard
-from ddptrain.report.reporter import Reporter, warn
+from ddptrain.report.progress import say
+from ddptrain.report.reporter import Reporter
 from ddptrain.report.summary import start_summary
+from ddptrain.resolve import Resolved, resolve
 from ddptrain.state.checkpointer import (
     Checkpointer,
     TrainState,
@@ -56,23 +47,9 @@ from ddptrain.state.checkpointer import (
     training_parts,
 )
 from ddptrain.state.data_facts import check_same_data
-from ddptrain.state.files import (
-    checkpoint_bytes,
-    room_warning,
-)
-from ddptrain.state.lock import lock_out_dir, unlock_out_dir
-from ddptrain.state.resume import (
-    check_continuable,
-    check_out_dir,
-    check_position,
-    check_same_leave_out,
-    check_trainable,
-    find_resume,
-    kept_seed,
-    load_resumed,
-    roll_back,
-    saved_data,
-)
+from ddptrain.state.files import checkpoint_bytes, room_warning
+from ddptrain.state.lock import unlock_out_dir
+from ddptrain.state.resume import check_continuable, check_trainable, roll_back
 from ddptrain.train import trainer
 from ddptrain.train.ema import build_ema
 from ddptrain.train.loss import build_criterion
@@ -110,44 +87,55 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
 
 
 def _train(config: Config, env: DistEnv, phases: Phases, stop: StopRequests) -> TrainState:
-    config.check_batch_divides_early(env.world_size)
-    _check_offload_clipping(config, env)
-    out_dir = Path(config.out_dir)
-    if not config.evaluate:  # one run per out-dir, before anything reads or writes it
-        unlocked = agree(env, lambda: lock_out_dir(out_dir) if env.is_main else None)
-        if unlocked:  # a file system without locks
-            warn(env, unlocked)
     faults = Faults.asked(env.rank)  # the test suite's, None unless it asks
-    if faults is not None:
-        faults.setup()
-    seed = from_rank0(env, lambda: _data_seed(config))
-    resume = from_rank0(
-        env, lambda: find_resume(config.resume, out_dir, config.evaluate, lambda w: warn(env, w))
-    )
-    seeded = config.seed is not None
-    if seeded:
-        _seed_everything(config.seed, env)
+    resolved = resolve(config, env, locked=faults.setup if faults else lambda: None)
+    config = resolved.config
+    run = _build(resolved, env, phases, stop, faults)
+    state = run.state
+    try:
+        if config.evaluate:
+            return _evaluate_only(run, state)
+        # rank 0 rewrites files there: a failure must end every rank
+        agree(env, lambda: _go_on_from(state, resolved, env, run.reporter))
+        run.reporter.start(run.summary)
+        if env.is_main:
+            run.reporter.info(_plan(config, env, run.data.num_classes, run.precision.amp))
+        return trainer.fit(run, state)
+    finally:
+        if run.profiler is not None:
+            run.profiler.close()
+            if run.profiler.written:
+                run.reporter.info(f"--profile {config.profile}: trace in {run.profiler.path}")
+        run.reporter.close()
 
-    # --verify-images, --bad-images skip, of DATA as given or as the resumed run's
-    data = config.data
-    if data is None and resume is not None and config.checks_images:
-        data = from_rank0(env, lambda: saved_data(resume))
-    leave_out = images_to_leave_out(dataclasses.replace(config, data=data), env, say, counting)
-    config, loaders, model, precision, saved, seed, reporter = agree(
-        env, lambda: _prepare(config, env, out_dir, seed, resume, leave_out)
+
+def _build(
+    resolved: Resolved, env: DistEnv, phases: Phases, stop: StopRequests, faults: Faults | None
+) -> trainer.Run:
+    """Every object of the run, in order. Steps that may fail on some ranks only are agreed
+    one by one; the rest are collectives every rank reaches."""
+    config, saved = resolved.config, resolved.saved
+    loaders = agree(
+        env,
+        lambda: build_data(config, env, resolved.source, resolved.seed, resolved.leave_out),
     )
-    if config.seed is not None and not seeded:  # the checkpoint's --seed: its kernels too
-        _seed_everything(config.seed, env)
-    train_samples = loaders.train_sampler.num_samples if loaders.train_sampler else 0
-    position = _start(saved, config, loaders)
+    model = agree(env, lambda: _model(resolved, loaders, env))
+    precision = agree(env, lambda: resolve_precision(config, None, model, env.device))
+    reporter = agree(env, lambda: _reporter(resolved, env))
+    for line in [*resolved.warnings, precision.warning, *loaders.warnings]:
+        if line:
+            reporter.warn(line)
+    for line in resolved.notes:
+        reporter.info(line)
+    position = resolved.start(loaders.steps_per_epoch)
     check_same(
         env,
         {
-            "train images": train_samples,
+            "train images": loaders.train_sampler.num_samples if loaders.train_sampler else 0,
             "val images": loaders.num_val,
             "classes": loaders.class_to_idx,
             "resumed position": (position.epoch, position.epoch_step, position.global_step),
-            "data seed": seed,
+            "data seed": resolved.seed,
             "data files": loaders.facts,
         },
     )
@@ -156,18 +144,7 @@ def _train(config: Config, env: DistEnv, phases: Phases, stop: StopRequests) -> 
     check_same(env, {"--amp": precision.amp}, fix)
 
     if config.pretrained and saved is None:
-        # Evaluated, the weights must know the data's classes: a new head would be random.
-        classes = sorted(loaders.class_to_idx, key=loaders.class_to_idx.get)
-        fresh = load_pretrained(
-            model,
-            config.arch,
-            env,
-            source=config.pretrained,
-            classes=classes if config.evaluate else None,
-        )
-        if fresh:
-            origin = "" if config.pretrained is True else f" from {config.pretrained}"
-            reporter.info(f"pretrained {config.arch}{origin}: new weights for {', '.join(fresh)}")
+        _load_pretrained(model, config, loaders, env, reporter)
     parameters = sum(p.numel() for p in model.parameters())
     # Under fsdp the EMA averages into a twin of the model, sharded alike: its structure is
     # copied before sharding, as FSDP2 refuses to copy a sharded model.
@@ -188,23 +165,13 @@ def _train(config: Config, env: DistEnv, phases: Phases, stop: StopRequests) -> 
     )
     steps_per_epoch = loaders.steps_per_epoch
     optimizer, scheduler = build_optimizer(model, config, steps_per_epoch)
-    if env.is_main and not config.evaluate:  # before the first save, while a warning helps
-        no_room = room_warning(
-            out_dir, checkpoint_bytes(unwrap(model), optimizer), config.keep_last
-        )
-        if no_room:
-            reporter.warn(no_room)
-        no_warmup = no_warmup_warning(config, steps_per_epoch)
-        if no_warmup:
-            reporter.warn(no_warmup)
-    if env.is_main:
-        crowded = too_many_workers(config.workers, env.local_world_size, usable_cores())
-        if crowded:
-            reporter.warn(crowded)
+    _warn_up_front(config, env, model, optimizer, steps_per_epoch, reporter)
     twin = None if structure is None else fsdp.shard_twin(structure, env, **sharding)
     ema = build_ema(unwrap(model), config, env, steps_per_epoch, averaged=twin)
-    summary = start_summary(config, env, loaders, precision, parameters, steps_per_epoch, resume)
-    meta, record = _records(config, env, loaders, precision, seed, summary)
+    summary = start_summary(
+        config, env, loaders, precision, parameters, steps_per_epoch, resolved.resume
+    )
+    meta, record = _records(config, env, loaders, precision, resolved.seed, summary)
     parts = training_parts(
         unwrap(model), optimizer, scheduler, env, precision.scaler, sharded=is_sharded(model)
     )
@@ -213,13 +180,14 @@ def _train(config: Config, env: DistEnv, phases: Phases, stop: StopRequests) -> 
     parts.update(checkpoint_parts(model, env))  # PowerSGD's state under --ddp-comm-hook powersgd
     checkpointer = Checkpointer(
         env,
-        out_dir,
+        resolved.out_dir,
         parts,
         meta,
         record,
         config.keep_last,
         sharded_format=config.checkpoint_format == "sharded",
         mark=phases.within_step,
+        every=config.checkpoint_every,
     )
     state = _restore(checkpointer, saved, scheduler, position)
     if ema is not None and saved is not None and "model_ema" not in saved:
@@ -228,7 +196,7 @@ def _train(config: Config, env: DistEnv, phases: Phases, stop: StopRequests) -> 
         faults.install(unwrap(model))
     if precision.compile:
         model = compile_model(model)
-    run = trainer.Run(
+    return trainer.Run(
         config=config,
         env=env,
         data=loaders,
@@ -236,42 +204,95 @@ def _train(config: Config, env: DistEnv, phases: Phases, stop: StopRequests) -> 
         optimizer=optimizer,
         scheduler=scheduler,
         reporter=reporter,
-        seed=seed,
+        seed=resolved.seed,
         precision=precision,
         checkpointer=None if config.evaluate else checkpointer,
         stop=stop,
         criterion=build_criterion(config, loaders.num_classes),
         ema=ema,
         phases=phases,
-        profiler=_profiler(config, env, out_dir),
+        profiler=_profiler(config, env, resolved.out_dir),
         faults=faults,
+        state=state,
+        summary=summary,
     )
-    try:
-        if config.evaluate:
-            return _evaluate_only(run, state)
-        # rank 0 rewrites files there: a failure must end every rank
-        agree(env, lambda: _go_on_from(state, resume is not None, env, out_dir, reporter))
-        reporter.start(summary)
-        if env.is_main:
-            reporter.info(_plan(config, env, loaders.num_classes, precision.amp))
-        return trainer.fit(run, state)
-    finally:
-        if run.profiler is not None:
-            run.profiler.close()
-            if run.profiler.written:
-                reporter.info(f"--profile {config.profile}: trace in {run.profiler.path}")
-        reporter.close()
 
 
-def _go_on_from(
-    state: TrainState, resumed: bool, env: DistEnv, out_dir: Path, reporter: Reporter
-) -> None:
+def _model(resolved: Resolved, loaders: Data, env: DistEnv) -> torch.nn.Module:
+    """The model for the data's classes, checked against the checkpoint it resumes."""
+    config, saved, resume = resolved.config, resolved.saved, resolved.resume
+    model = build_model(
+        config.arch,
+        loaders.num_classes,
+        config.image_size,
+        config.pretrained,
+        meta=builds_on_meta(env, config.strategy),
+    )
+    if saved is not None:
+        check_compatible(saved, resume, config.arch, loaders.class_to_idx)
+        check_fits(saved, resume, model)
+        if not config.evaluate:  # evaluating on other data is fine
+            check_same_data(saved, loaders.facts, resume)
+            check_trainable(saved, resume)
+            check_continuable(saved, config, resume)
+    return model
+
+
+def _reporter(resolved: Resolved, env: DistEnv) -> Reporter:
+    config = resolved.config
+    done = TrainState.from_checkpoint(resolved.saved or {"epoch": config.start_epoch})
+    return Reporter(
+        env,
+        resolved.out_dir,
+        config.progress,
+        config.tensorboard,
+        done.global_step,
+        config.evaluate,
+    )
+
+
+def _load_pretrained(model, config: Config, loaders: Data, env: DistEnv, reporter) -> None:
+    """--pretrained, for a fresh run. A collective."""
+    # Evaluated, the weights must know the data's classes: a new head would be random.
+    classes = sorted(loaders.class_to_idx, key=loaders.class_to_idx.get)
+    fresh = load_pretrained(
+        model,
+        config.arch,
+        env,
+        source=config.pretrained,
+        classes=classes if config.evaluate else None,
+    )
+    if fresh:
+        origin = "" if config.pretrained is True else f" from {config.pretrained}"
+        reporter.info(f"pretrained {config.arch}{origin}: new weights for {', '.join(fresh)}")
+
+
+def _warn_up_front(config, env, model, optimizer, steps_per_epoch: int, reporter) -> None:
+    """What rank 0 says before the first step, while it can still help."""
+    if not env.is_main:
+        return
+    if not config.evaluate:  # before the first save
+        out_dir = Path(config.out_dir)
+        room = checkpoint_bytes(unwrap(model), optimizer)
+        for line in (
+            room_warning(out_dir, room, config.keep_last),
+            no_warmup_warning(config, steps_per_epoch),
+        ):
+            if line:
+                reporter.warn(line)
+    crowded = too_many_workers(config.workers, env.local_world_size, usable_cores())
+    if crowded:
+        reporter.warn(crowded)
+
+
+def _go_on_from(state: TrainState, resolved: Resolved, env: DistEnv, reporter: Reporter) -> None:
     """Once every rank has set up, the out-dir continues from where this run starts: what an
     earlier run recorded and saved after it is dropped (records after a crash; checkpoints
     that --resume auto passed over as damaged)."""
     reporter.keep_until(state.epoch)
-    if not (env.is_main and resumed):
+    if not (env.is_main and resolved.resume is not None):
         return
+    out_dir = resolved.out_dir
     dropped = roll_back(out_dir, state.global_step)
     if dropped:
         reporter.warn(
@@ -325,16 +346,6 @@ def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
     return line
 
 
-def _start(saved: dict | None, config: Config, loaders: Data) -> TrainState:
-    """Where this run starts: its checkpoint's position, else after the epochs --start-epoch
-    says are done, and their steps (checkpoint numbers, the schedule, the EMA warmup)."""
-    if saved is not None:
-        return TrainState.from_checkpoint(saved)
-    return TrainState(
-        epoch=config.start_epoch, global_step=config.start_epoch * loaders.steps_per_epoch
-    )
-
-
 def _restore(checkpointer, saved, scheduler, start: TrainState) -> TrainState:
     """The checkpoint's state in every part, or `start` (_start) for a fresh run. A
     collective."""
@@ -353,20 +364,6 @@ def _restore(checkpointer, saved, scheduler, start: TrainState) -> TrainState:
             group["lr"] = group["initial_lr"]
         fast_forward(scheduler, state.global_step)
     return state
-
-
-def _check_offload_clipping(config: Config, env: DistEnv) -> None:
-    """torch 2.14's clip_grad_norm_ sums the norms of the gradients' shards, in host memory
-    under --fsdp-offload, over the device's process group: NCCL has no CPU backend, so every
-    rank would fail at the first step ("No backend type associated with device type cpu",
-    pytorch/pytorch#148532). Refused before anything starts. On the CPU the group is gloo's."""
-    offloaded = config.fsdp_offload and will_shard(env, config.strategy)
-    if offloaded and config.clip_grad_norm is not None and env.device.type != "cpu":
-        raise UserError(
-            f"--clip-grad-norm does not run with --fsdp-offload on {env.device.type}: torch "
-            "sums the offloaded gradients' norms over the device's process group, which takes "
-            "no host-memory tensors; drop one of the two"
-        )
 
 
 def _records(config: Config, env: DistEnv, loaders: Data, precision, seed: int, summary: dict):
@@ -389,95 +386,6 @@ def _records(config: Config, env: DistEnv, loaders: Data, precision, seed: int, 
         "summary": summary,
     }
     return meta, {**settings, "resolved": runtime}
-
-
-def _data_seed(config: Config) -> int:
-    """Orders and augments the data, the same on every rank: --seed, or a fresh random one."""
-    return config.seed if config.seed is not None else secrets.randbits(62)
-
-
-def _seed_everything(seed: int, env: DistEnv) -> None:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # needed by deterministic cuBLAS
-    random.seed(seed + env.rank)
-    np.random.seed((seed + env.rank) % 2**32)
-    torch.manual_seed(seed + env.rank)
-    # warn_only: a model whose op has no deterministic kernel still trains, with a warning.
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
-
-
-def _prepare(
-    config: Config,
-    env: DistEnv,
-    out_dir: Path,
-    seed: int,
-    resume: Path | None,
-    leave_out: frozenset[str],
-):
-    """Everything that may fail on some ranks only. No collectives in here."""
-    if env.is_main:
-        check_out_dir(out_dir, resume, config.evaluate, config.resume == "auto")
-    saved = None if resume is None else load_resumed(resume)
-    if saved is not None:
-        seed = int(saved.get("data_seed", seed))
-        # The checkpoint's settings under what the flags and --config gave.
-        given, config = config, resumed(config, saved.get("config"))
-        if not config.evaluate:  # evaluating another batch or other data is fine
-            check_position(saved, config)
-            check_same_leave_out(given, config, resume)
-        _check_offload_clipping(config, env)  # with the checkpoint's settings too
-    config = config.settled()
-    config.check_batch_divides(env.world_size)  # -b is the checkpoint's unless given
-    if config.tensorboard and not config.evaluate:  # eval writes no events
-        require_tensorboard()  # on every rank, so that every rank stops when it is missing
-    loaders = build_data(config, env, _data_root(config, env), seed, leave_out)
-    model = build_model(
-        config.arch,
-        loaders.num_classes,
-        config.image_size,
-        config.pretrained,
-        meta=builds_on_meta(env, config.strategy),
-    )
-    if saved is not None:
-        check_compatible(saved, resume, config.arch, loaders.class_to_idx)
-        check_fits(saved, resume, model)
-        if not config.evaluate:  # evaluating on other data is fine
-            check_same_data(saved, loaders.facts, resume)
-            check_trainable(saved, resume)
-            check_continuable(saved, config, resume)
-    precision = resolve_precision(config, None, model, env.device)
-    done = TrainState.from_checkpoint(saved or {"epoch": config.start_epoch})
-    reporter = Reporter(
-        env, out_dir, config.progress, config.tensorboard, done.global_step, config.evaluate
-    )
-    kept = None if saved is None or config.evaluate else kept_seed(config, saved)
-    for line in [*inert_flags(config), kept, precision.warning, *loaders.warnings]:
-        if line:
-            reporter.warn(line)
-    if saved is None:
-        if config.evaluate and not config.pretrained:
-            raise UserError(f"--evaluate: no checkpoint to evaluate in {out_dir}")
-        if config.resume == "auto":
-            reporter.info(f"--resume auto: no checkpoint in {out_dir}, starting fresh")
-    else:
-        reporter.info(
-            f"resumed from {resume} (epoch {done.epoch}, step {done.epoch_step} of the "
-            f"next, best acc1 {done.best_acc1:.2f})"
-        )
-    return config, loaders, model, precision, saved, seed, reporter
-
-
-def _data_root(config: Config, env: DistEnv) -> Path | None:
-    if config.dummy:
-        return None
-    if config.data is None:
-        return ensure_builtin(log=say if env.is_main else None)
-    root = Path(config.data)
-    if not root.is_dir():
-        raise UserError(
-            f"DATA: {root} is not a directory (expected an ImageFolder root with train/ and val/)"
-        )
-    return root
 
 
 def _evaluate_only(run: trainer.Run, state: TrainState) -> TrainState:

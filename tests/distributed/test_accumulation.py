@@ -169,7 +169,7 @@ def _loss_scaled_steps(env, set_to_none):
     images, target = my_slice(env, *batch())
     scales, losses = [scaler.get_scale()], []
     for _ in range(10):
-        loss, _ = step(images * 100, target)
+        loss, _, _ = step(images * 100, target)
         scales.append(scaler.get_scale())
         losses.append(float(loss))
     weights = torch.cat([p.detach().flatten() for p in model.module.parameters()])

@@ -5,6 +5,7 @@ from torch import nn
 
 from ddptrain.config import Config
 from ddptrain.data.loaders import build_data
+from ddptrain.data.sources import open_source
 from ddptrain.distributed.collectives import agree, check_same, from_rank0, rank0_first
 from ddptrain.errors import UserError
 from ddptrain.model.build import build_model
@@ -86,7 +87,7 @@ def bn_free_model():
 
 def train_one_epoch(env, root):
     config = Config(data=str(root), batch_size=8, workers=0, image_size=16)
-    loaders = build_data(config, env, root, seed=11)
+    loaders = build_data(config, env, open_source(config), seed=11)
     model = wrap(bn_free_model(), env, gpu_pinned=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     loaders.train_sampler.set_epoch(0)
@@ -110,7 +111,7 @@ def bn_free_model_params():
 
 def evaluate(env, root, batch_size=6):
     config = Config(data=str(root), batch_size=batch_size, workers=0, image_size=16)
-    loaders = build_data(config, env, root, seed=0)
+    loaders = build_data(config, env, open_source(config), seed=0)
     torch.manual_seed(0)
     model = wrap(build_model("resnet18", 3, 16, False), env)  # DDP on 2+ ranks
     return trainer.evaluate(model, loaders.val_loader, env)

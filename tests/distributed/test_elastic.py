@@ -10,6 +10,7 @@ from test_ddp import bn_free_model, flat_params
 
 from ddptrain.config import Config
 from ddptrain.data.loaders import build_data
+from ddptrain.data.sources import open_source
 from ddptrain.model.parallelize import unwrap, wrap
 from ddptrain.model.precision import Precision
 from ddptrain.report.reporter import Reporter
@@ -27,13 +28,13 @@ def fit(env, root, out_dir, resume=None):
         data=str(root), batch_size=8, workers=0, image_size=16, epochs=2, print_freq=100,
         checkpoint_every=2, keep_last=10, lr=0.5, out_dir=str(out_dir),
     )  # fmt: skip
-    loaders = build_data(config, env, root, seed=11)
+    loaders = build_data(config, env, open_source(config), seed=11)
     model = wrap(bn_free_model(), env, gpu_pinned=False)
     optimizer, scheduler = build_optimizer(model, config)
     meta = {"arch": "bn_free", "num_classes": 3, "class_to_idx": loaders.class_to_idx}
     meta["config"] = config.to_dict()
     parts = training_parts(unwrap(model), optimizer, scheduler, env)
-    checkpointer = Checkpointer(env, out_dir, parts, meta, {}, keep_last=10)
+    checkpointer = Checkpointer(env, out_dir, parts, meta, {}, keep_last=10, every=2)
     state = TrainState() if resume is None else checkpointer.restore(load(resume))
     with StopRequests(env) as stop:
         run = trainer.Run(

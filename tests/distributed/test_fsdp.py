@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from ddptrain.config import Config
 from ddptrain.data.loaders import build_data
+from ddptrain.data.sources import open_source
 from ddptrain.model.build import build_model
 from ddptrain.model.fsdp import shard_units
 from ddptrain.model.parallelize import builds_on_meta, is_sharded, unwrap, wrap
@@ -55,7 +56,7 @@ def train_epoch(
     in channels_last, as --channels-last lays them out."""
     out_dir.mkdir(exist_ok=True)
     config = Config(data=str(root), batch_size=12, workers=0, image_size=16)
-    loaders = build_data(config, env, root, seed=11)
+    loaders = build_data(config, env, open_source(config), seed=11)
     model = wrap(
         group_norm_resnet(env), env, strategy=strategy, arch="resnet18", **(wrapping or {})
     )

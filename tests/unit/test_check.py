@@ -13,6 +13,7 @@ from PIL import Image
 from ddptrain.config import Config
 from ddptrain.data import check, folder
 from ddptrain.data.loaders import build_data
+from ddptrain.data.sources import FolderSource, open_source
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.report.progress import counting, say
@@ -64,15 +65,16 @@ def test_a_bomb_is_refused_before_decoding_by_training_too(tmp_path, monkeypatch
 
 
 def test_the_bad_list_is_the_same_with_any_number_of_workers(bad_data):
-    files = check.list_images(bad_data)
+    source = FolderSource(bad_data, 10**8)
+    files = source.names()
     assert len(files) == 39 and files[0] == "train/arrow/00000.png" and files[-1].startswith("val/")
     expected = [
         ("train/bar/00003.png", "not an image in a format torchvision or PIL reads"),
         ("val/circle/00001.png", "image file is truncated"),
     ]
     for workers in (0, 2):
-        assert check.find_bad(bad_data, files, workers, 10**8) == expected
-    assert check.find_bad(bad_data, files, 0, 10**8, counting) == expected  # no bar off a tty
+        assert check.find_bad(source, files, workers) == expected
+    assert check.find_bad(source, files, 0, counting) == expected  # no bar off a tty
 
 
 def test_the_check_counts_every_file_on_the_callers_bar(bad_data):
@@ -83,7 +85,8 @@ def test_the_check_counts_every_file_on_the_callers_bar(bad_data):
         bars.append((total, what, unit))
         yield advanced.append
 
-    check.find_bad(bad_data, check.list_images(bad_data), 0, 10**8, recording)
+    source = FolderSource(bad_data, 10**8)
+    check.find_bad(source, source.names(), 0, recording)
     assert bars == [(39, "checking images", "img")] and sum(advanced) == 39
 
 
@@ -147,7 +150,7 @@ def test_the_check_says_its_lines_through_the_caller_and_prints_nothing_itself(b
 def test_leaving_out_keeps_the_order_of_the_rest(bad_data):
     leave_out = frozenset({"train/bar/00003.png", "val/circle/00001.png"})
     config = Config(data=str(bad_data), batch_size=8, workers=0, image_size=16)
-    loaders = build_data(config, ONE, bad_data, seed=0, leave_out=leave_out)
+    loaders = build_data(config, ONE, open_source(config), seed=0, leave_out=leave_out)
     train = loaders.train_loader.dataset.dataset
     everything = folder.image_folder(bad_data / "train", None)
     assert train.samples == [s for s in everything.samples if not s[0].endswith("bar/00003.png")]
@@ -165,7 +168,7 @@ def test_leaving_out_every_image_of_a_class_is_refused(bad_data):
     every = frozenset(f"val/circle/{Path(p).name}" for p in circles)
     message = f"--bad-images skip leaves no image in {bad_data / 'val' / 'circle'} \\(1 class"
     with pytest.raises(UserError, match=message):
-        build_data(config, ONE, bad_data, seed=0, leave_out=every)
+        build_data(config, ONE, open_source(config), seed=0, leave_out=every)
 
 
 def test_verify_before_training_stops_on_a_bad_image_and_skip_leaves_it_out(bad_data, capsys):

@@ -6,8 +6,9 @@ import torch
 from PIL import Image
 
 from ddptrain.config import Config
-from ddptrain.data import check, folder
+from ddptrain.data import folder
 from ddptrain.data.loaders import build_data
+from ddptrain.data.sources import FolderSource, open_source
 from ddptrain.data.transforms import val_transform
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
@@ -17,7 +18,7 @@ ONE = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=tor
 
 def build(root, **overrides):
     config = Config(data=str(root), batch_size=4, workers=0, image_size=16, **overrides)
-    return build_data(config, ONE, root, seed=0)
+    return build_data(config, ONE, FolderSource(root), seed=0)
 
 
 @pytest.fixture
@@ -137,7 +138,7 @@ def test_hidden_files_and_folders_inside_a_class_are_ignored_and_gifs_taken(tree
     Image.open(image).save(bar / "x.gif")
     train = folder.image_folder(tree / "train", None)
     assert len(train) == 24 + 1 and f"{bar}/x.gif" in [path for path, _ in train.samples]
-    assert check.list_images(tree).count("train/bar/x.gif") == 1
+    assert FolderSource(tree).names().count("train/bar/x.gif") == 1
 
 
 def test_images_in_no_class_folder_are_left_out_and_named(tree):
@@ -159,7 +160,7 @@ def test_images_in_no_class_folder_are_left_out_and_named(tree):
     shutil.rmtree(tree / "val" / "bar")
     config = Config(data=str(tree), batch_size=20, workers=0, image_size=16)
     with pytest.raises(UserError, match=r"the 16 training images \(8 more in .* no class folder"):
-        build_data(config, ONE, tree, seed=0)
+        build_data(config, ONE, open_source(config), seed=0)
 
 
 def test_a_file_that_is_not_a_regular_file_is_a_bad_image_not_a_hang(tree):
@@ -179,7 +180,7 @@ def test_unreadable_image_is_named(tree):
 def test_same_sample_same_augmentation_whatever_the_worker_count(tiny_data):
     def first_batch(workers):
         config = Config(data=str(tiny_data), batch_size=8, workers=workers, image_size=16)
-        return next(iter(build_data(config, ONE, tiny_data, seed=3).train_loader))
+        return next(iter(build_data(config, ONE, open_source(config), seed=3).train_loader))
 
     a, b = first_batch(0), first_batch(2)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -187,4 +188,6 @@ def test_same_sample_same_augmentation_whatever_the_worker_count(tiny_data):
 
 def test_batch_larger_than_the_data(tiny_data):
     with pytest.raises(UserError, match="--batch-size 64"):
-        build_data(Config(data=str(tiny_data), batch_size=64, workers=0), ONE, tiny_data, 0)
+        build_data(
+            Config(data=str(tiny_data), batch_size=64, workers=0), ONE, FolderSource(tiny_data), 0
+        )

@@ -8,7 +8,7 @@ from ddptrain.config import Config
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.model.fsdp import shard, shard_units
-from ddptrain.run import _check_offload_clipping
+from ddptrain.resolve import check_offload_clipping
 
 
 class ParametersOnTheRoot(nn.Module):
@@ -40,6 +40,6 @@ def test_clipping_offloaded_gradients_on_a_gpu_is_refused_before_anything_starts
     gpus = DistEnv(0, 2, 0, 2, torch.device("cuda", 0))
     clipped = Config(strategy="fsdp", fsdp_offload=True, clip_grad_norm=1.0)
     with pytest.raises(UserError, match="--clip-grad-norm does not run with --fsdp-offload"):
-        _check_offload_clipping(clipped, gpus)
-    _check_offload_clipping(Config(strategy="fsdp", fsdp_offload=True), gpus)
-    _check_offload_clipping(clipped, DistEnv(0, 2, 0, 2, torch.device("cpu")))  # gloo's group
+        check_offload_clipping(clipped, gpus)
+    check_offload_clipping(Config(strategy="fsdp", fsdp_offload=True), gpus)
+    check_offload_clipping(clipped, DistEnv(0, 2, 0, 2, torch.device("cpu")))  # gloo's group

@@ -14,6 +14,7 @@ from ddptrain.data import folder
 from ddptrain.data.folder import ImageFolder, load_rgb
 from ddptrain.data.loaders import build_data
 from ddptrain.data.sampler import SeededSamples
+from ddptrain.data.sources import open_source
 from ddptrain.data.transforms import MEAN, STD, train_transform, val_transform
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError, one_line
@@ -83,7 +84,7 @@ def test_seeded_samples_repeat_their_crop(tmp_path, photo):
 
 def test_loader_yields_uint8_and_inputs_normalise_in_the_runs_layout(tiny_data):
     config = Config(data=str(tiny_data), batch_size=4, workers=0, image_size=16)
-    images, _ = next(iter(build_data(config, ONE, tiny_data, seed=0).train_loader))
+    images, _ = next(iter(build_data(config, ONE, open_source(config), seed=0).train_loader))
     assert images.dtype == torch.uint8 and images.shape == (4, 3, 16, 16)
     for channels_last in (False, True):
         x = Precision("cpu", channels_last=channels_last).inputs(images, CPU)
@@ -128,7 +129,7 @@ def test_an_undecodable_image_in_a_worker_is_named(tiny_data, tmp_path):
     bad = root / "val" / "arrow" / "00000.png"
     bad.write_bytes(bad.read_bytes()[:40])  # truncated
     config = Config(data=str(root), batch_size=4, workers=1, image_size=16)
-    loaders = build_data(config, ONE, root, seed=0)
+    loaders = build_data(config, ONE, open_source(config), seed=0)
     with pytest.raises(UserError) as caught:
         for _ in loaders.val_loader:
             pass
@@ -148,7 +149,7 @@ def test_an_empty_file_is_named(tmp_path):
 
 def test_dummy_data_takes_the_same_uint8_path():
     config = Config(dummy=True, batch_size=2, workers=0, image_size=16)
-    loaders = build_data(config, ONE, None, seed=0)
+    loaders = build_data(config, ONE, open_source(config), seed=0)
     images, target = next(iter(loaders.train_loader))
     assert images.dtype == torch.uint8 and images.shape == (2, 3, 16, 16)
     images, _ = next(iter(loaders.val_loader))

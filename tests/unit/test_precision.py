@@ -88,7 +88,7 @@ def test_bf16_training_computes_in_bf16_and_its_loss_falls():
     target = torch.arange(16) % 4
     losses = []
     for _ in range(30):
-        loss, output = Step(model, optimizer, p)(images, target)
+        loss, output, _ = Step(model, optimizer, p)(images, target)
         losses.append(loss.item())
     assert output.dtype == torch.bfloat16
     assert model[0].weight.dtype == torch.float32  # master weights stay fp32

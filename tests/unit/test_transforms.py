@@ -9,6 +9,7 @@ from torchvision.transforms import v2
 from ddptrain.config import Config
 from ddptrain.data.loaders import build_data
 from ddptrain.data.sampler import SeededSamples
+from ddptrain.data.sources import open_source
 from ddptrain.data.transforms import (
     MEAN_UINT8,
     build_train_transform,
@@ -141,7 +142,7 @@ def test_the_loaders_build_their_transforms_from_the_config(tiny_data):
         val_resize=20,
         val_crop=18,
     )
-    data = build_data(config, ONE, tiny_data, seed=0)
+    data = build_data(config, ONE, open_source(config), seed=0)
     train = data.train_loader.dataset.dataset.transform.transforms
     assert len(train) == 1 and train[0].scale == (0.6, 1.0)
     images, _ = next(iter(data.val_loader))

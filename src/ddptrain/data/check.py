@@ -29,21 +29,13 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from ddptrain.config import Config
-from ddptrain.data.folder import (
-    ImageFolder,
-    check_same_classes,
-    image_folder,
-    image_problem,
-    loose_warning,
-    relative_paths,
-)
+from ddptrain.data.sources import SPLITS, FolderSource, check_same_classes, open_source
 from ddptrain.data.workers import Loader
 from ddptrain.distributed.collectives import agree, check_same, gather_from_all
 from ddptrain.distributed.env import DistEnv
 from ddptrain.distributed.threads import usable_cores
 from ddptrain.errors import UserError, first_line
 
-SPLITS = ("train", "val")
 CHUNK = 16  # images a worker decodes per message: keeps the pipe's overhead below a decode
 
 
@@ -56,53 +48,34 @@ def _uncounted(total: int, what: str, unit: str):
     return contextlib.nullcontext(lambda n: None)
 
 
-def split_folders(root: Path, splits=SPLITS, say=_quiet) -> dict[str, ImageFolder]:
-    """root's splits as ImageFolders; says which images no class folder holds (training
-    leaves them out)."""
-    folders = {split: image_folder(root / split, None) for split in splits}
-    for dataset in folders.values():
-        if line := loose_warning(dataset):
-            say(f"warning: {line}", stderr=True)
-    return folders
-
-
-def list_images(root: Path, splits=SPLITS, say=_quiet) -> list[str]:
-    """The image files of root's splits as `split/class/file`, in ImageFolder's sorted order."""
-    return _names(split_folders(root, splits, say))
-
-
-def _names(folders: dict[str, ImageFolder]) -> list[str]:
-    return [f"{split}/{name}" for split, data in folders.items() for name in relative_paths(data)]
-
-
 class _Problems(Dataset):
-    """Why each file is bad, or None: decoding happens in the DataLoader's workers."""
+    """Why each sample is bad, or None: decoding happens in the DataLoader's workers."""
 
-    def __init__(self, root: Path, files: list[str], max_pixels: int):
-        self.root, self.files, self.max_pixels = root, files, max_pixels
+    def __init__(self, source: FolderSource, names: list[str]):
+        self.source, self.names = source, names
 
     def __len__(self) -> int:
-        return len(self.files)
+        return len(self.names)
 
     def __getitem__(self, index: int) -> str | None:
         try:
-            return image_problem(str(self.root / self.files[index]), self.max_pixels)
-        except Exception as err:  # a checker reports every file's failure, whatever it is
+            return self.source.problem(self.names[index])
+        except Exception as err:  # a checker reports every sample's failure, whatever it is
             return f"{type(err).__name__}: {first_line(err)}"
 
 
 def find_bad(
-    root: Path, files: list[str], workers: int, max_pixels: int, counting=_uncounted
+    source: FolderSource, names: list[str], workers: int, counting=_uncounted
 ) -> list[tuple[str, str]]:
-    """(file, reason) for each of files (relative to root) that cannot be used, in order,
+    """(name, reason) for each of the source's samples `names` that cannot be used, in order,
     counted on the caller's `counting` bar as they are checked."""
     loader = Loader(
-        _Problems(root, files, max_pixels), batch_size=CHUNK, num_workers=workers, collate_fn=list
+        _Problems(source, names), batch_size=CHUNK, num_workers=workers, collate_fn=list
     )
     bad = []
-    with counting(len(files), "checking images", "img") as advance:
-        for start, problems in zip(range(0, len(files), CHUNK), loader, strict=True):
-            bad += [(files[start + i], p) for i, p in enumerate(problems) if p is not None]
+    with counting(len(names), "checking images", "img") as advance:
+        for start, problems in zip(range(0, len(names), CHUNK), loader, strict=True):
+            bad += [(names[start + i], p) for i, p in enumerate(problems) if p is not None]
             advance(len(problems))
     return bad
 
@@ -122,10 +95,10 @@ def check_command(
     splits = [split for split in SPLITS if (root / split).is_dir()]
     if not splits:
         raise UserError(f"DATA: {root} holds neither train/ nor val/")
-    folders = split_folders(root, splits, say)
-    files = _names(folders)
+    source = FolderSource(root, max_image_pixels)
+    files = source.names(splits, say)
     workers = usable_cores() if workers is None else workers
-    bad = find_bad(root, files, workers, max_image_pixels, counting)
+    bad = find_bad(source, files, workers, counting)
     for path, reason in bad:
         say(f"{root / path}: {reason}")
     if bad:
@@ -139,7 +112,7 @@ def check_command(
             f"DATA: {root} has no {' or '.join(missing)}, which training needs; its "
             f"{len(files)} images decode ({_per_split(None, files)})"
         )
-    check_same_classes(folders["train"], folders["val"])  # as training would refuse them
+    check_same_classes(source.split("train"), source.split("val"))  # as training would refuse them
     say(f"all {len(files)} images in {root} decode ({_per_split(None, files)})")
 
 
@@ -154,14 +127,15 @@ def images_to_leave_out(
         return frozenset()
     if not env.is_main:  # other ranks stay quiet
         say, counting = _quiet, _uncounted
-    root = Path(config.data)
-    files = agree(env, lambda: list_images(root, ("val",) if config.evaluate else SPLITS))
+    source = agree(env, lambda: open_source(config))
+    root = source.root
+    files = agree(env, lambda: source.names(("val",) if config.evaluate else SPLITS))
     listed = hashlib.sha256(os.fsencode("\n".join(files))).hexdigest()  # names need not be UTF-8
     check_same(env, {"image files": listed})  # else the ranks' shares would not cover them
     share = files[env.rank :: env.world_size]
     found = agree(
         env,
-        lambda: find_bad(root, share, config.workers, config.max_image_pixels, counting),
+        lambda: find_bad(source, share, config.workers, counting),
     )
     bad = sorted(item for part in gather_from_all(env, found) for item in part)
     skip = config.bad_images == "skip"

@@ -228,13 +228,22 @@ class Checkpointer:
         keep_last: int,
         sharded_format: bool = False,
         mark: Callable[[str], None] = lambda stage: None,
+        every: int = 0,
     ):
+        """every: also save mid-epoch, every this many optimizer steps (0: at epoch ends only)."""
         self.env, self.out_dir = env, out_dir
+        self.every = every
         self.parts, self.meta, self.record, self.keep_last = parts, meta, record, keep_last
         self.sharded_format = sharded_format
         # Each stage of a save as it begins (Phases.within_step): a rank stuck writing is named
         # by the ranks waiting for it.
         self.mark = mark
+
+    def due(self, state: TrainState, steps: int) -> bool:
+        """Whether to save mid-epoch after this step of an epoch of `steps`; not at its last
+        step, as the epoch's end has its own checkpoint, after evaluation."""
+        every = self.every
+        return bool(every) and state.global_step % every == 0 and state.epoch_step < steps
 
     def gather(self, state: TrainState) -> dict:
         """The checkpoint of the run at `state`, whole on rank 0 (empty parts elsewhere). A

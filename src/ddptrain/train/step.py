@@ -4,6 +4,7 @@ schedule, and the checks between them."""
 import contextlib
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -29,6 +30,13 @@ def gradients_set_to_none(accum_steps: int, in_buckets: bool) -> bool:
     into DDP's buckets (`in_buckets`), they are zeroed there: set to None, the backward passes
     in no_sync would make them anew beside the buckets and the step would hold them twice."""
     return not (accum_steps > 1 and in_buckets)
+
+
+class StepResult(NamedTuple):
+    loss: torch.Tensor  # the batch's mean (detached when accumulated; NaN when a gradient was not
+    # finite under --nonfinite error)
+    output: torch.Tensor  # the logits
+    skipped: bool  # the update was dropped, on every rank (--nonfinite skip)
 
 
 class Step:
@@ -60,7 +68,6 @@ class Step:
         self.accum_steps, self.clip_grad_norm = accum_steps, clip_grad_norm
         self.skip_nonfinite = skip_nonfinite
         self.set_to_none = gradients_set_to_none(accum_steps, gradients_in_buckets(model))
-        self.skipped = False  # the last call dropped its update (--nonfinite skip)
 
     def forward(self, images: torch.Tensor, target: torch.Tensor):
         """The (device) loss and logits."""
@@ -129,9 +136,7 @@ class Step:
         if self.scheduler is not None:
             self.scheduler.step()
 
-    def __call__(self, images: torch.Tensor, target: torch.Tensor):
-        """Returns the batch's mean loss (detached when accumulated; NaN when a gradient was
-        not finite) and its logits."""
+    def __call__(self, images: torch.Tensor, target: torch.Tensor) -> StepResult:
         losses, outputs = [], []
         # A dropped step leaves no trace: the forward in train mode moves BatchNorm's running
         # statistics, which a bad batch makes non-finite, so they go back as they were.
@@ -152,13 +157,14 @@ class Step:
             losses.append(loss.detach())
             outputs.append(output)
         loss = losses[0] if self.accum_steps == 1 else torch.stack(losses).mean()
+        skipped = False
         if self.skip_nonfinite:
-            self.skipped = not self.agreed_finite(losses)
+            skipped = not self.agreed_finite(losses)
         else:
             # --nonfinite error: a step whose gradients are not finite reports a NaN loss, so
             # the checks on the loss (train_epoch's, on device) catch it at this very step.
             loss = torch.where(self.finite(losses), loss, float("nan"))
-        if self.skipped:  # on every rank
+        if skipped:  # on every rank
             self.optimizer.zero_grad(set_to_none=self.set_to_none)
             for buffer, kept in zip(self.model.buffers(), buffers, strict=True):
                 buffer.copy_(kept)
@@ -168,4 +174,5 @@ class Step:
             self.clip()
             self.optimizer_step()
         self.schedule()
-        return loss, outputs[0] if self.accum_steps == 1 else torch.cat(outputs)
+        output = outputs[0] if self.accum_steps == 1 else torch.cat(outputs)
+        return StepResult(loss, output, skipped)

@@ -92,6 +92,8 @@ class Run:
     phases: Phases | None = None  # None: no record of where this rank is
     profiler: StepProfiler | None = None  # --profile, on rank 0
     faults: Faults | None = None  # the test suite's, when it asks for some (faults.py)
+    state: TrainState | None = None  # where it starts
+    summary: dict | None = None  # what summary.csv records of it
 
     def step(self) -> Step:
         return Step(
@@ -185,17 +187,17 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
         target = target.to(env.device, non_blocking=True)
         if run.criterion is not None:
             images, target = run.criterion.prepare(images, target, torch.default_generator)
-        loss, output = step_once(images, target)
+        result = step_once(images, target)
         state.global_step += 1
-        if step_once.skipped:
+        if result.skipped:
             skipped += 1
             _count_skipped(run, state)
         else:
-            sums.add(loss, output, Criterion.hard_target(target))
-            bad = (first_bad == 0) & ~torch.isfinite(loss.detach())
+            sums.add(result.loss, result.output, Criterion.hard_target(target))
+            bad = (first_bad == 0) & ~torch.isfinite(result.loss.detach())
             first_bad = torch.where(bad, state.global_step, first_bad)
         state.epoch_step = step
-        if run.ema is not None and not step_once.skipped:  # a dropped step moves nothing
+        if run.ema is not None and not result.skipped:  # a dropped step moves nothing
             run.ema.update(unwrap(model), state.global_step)
         run.stop.unsaved = True
         reporter.advance()
@@ -210,9 +212,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
             lr = run.optimizer.param_groups[0]["lr"]
             values = {**local, "samples_per_sec": rate, "data_wait": waiting / (now - start)}
             reporter.print_step(step, state.global_step, {**values, "lr": lr})
-        every = config.checkpoint_every
-        # Not at the epoch's last step: the epoch's end has its own checkpoint, after evaluation.
-        if every and state.global_step % every == 0 and step < steps:
+        if run.checkpointer is not None and run.checkpointer.due(state, steps):
             state.train_sums = _finite(run, state, sums.totals(env) + carried)
             save(run, state)
     reporter.end_epoch()

@@ -1,0 +1,119 @@
+"""Where a run's images come from, chosen by what DATA is: an image folder (the built-in data set
+is one) or, with --dummy, random images.
+
+A source gives each split as a `Split`: a Dataset of (uint8 RGB image, class index) pairs with
+the transform applied, its classes, and what a checkpoint records of it (`facts`: count and
+digest, so resuming on other data is refused). For the image check (data/check.py) it names its
+samples and says why one cannot be used. The loaders, the check and the checkpoint's data facts
+know sources only through this, so another form of DATA is one more class here.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch.utils.data import Dataset
+from torchvision import datasets
+from torchvision.transforms import v2
+
+from ddptrain.config import MAX_IMAGE_PIXELS, Config
+from ddptrain.data import folder
+from ddptrain.data.synth import ensure_builtin
+from ddptrain.errors import UserError
+
+SPLITS = ("train", "val")
+DUMMY_SIZES, DUMMY_CLASSES = {"train": 1_281_167, "val": 50_000}, 1000  # ImageNet's
+
+
+@dataclass
+class Split:
+    dataset: Dataset  # (image, class index), transformed
+    class_to_idx: dict[str, int]
+    where: str  # for messages: a folder or a URL
+    facts: dict = field(default_factory=dict)  # {"images": count, "digest": of the list}
+    warning: str | None = None  # what rank 0 says at start of the samples it leaves out
+
+
+@dataclass(frozen=True)
+class FolderSource:
+    """DATA as an ImageFolder tree: train/ and val/, each a folder per class."""
+
+    root: Path
+    max_pixels: int = MAX_IMAGE_PIXELS
+
+    def split(self, name: str, transform=None, leave_out: frozenset[str] = frozenset()) -> Split:
+        """leave_out: sample names (`names`) the image check found bad, left out."""
+        dataset = folder.image_folder(self.root / name, transform, self.max_pixels)
+        folder.leave_out(dataset, name, leave_out)
+        return Split(
+            dataset,
+            dataset.class_to_idx,
+            dataset.root,
+            folder.facts(dataset),
+            folder.loose_warning(dataset),
+        )
+
+    def names(self, splits=SPLITS, say=lambda line, stderr=False: None) -> list[str]:
+        """The samples of splits as `split/class/file`, in the order training reads them; says
+        which images no class folder holds (training leaves them out)."""
+        names = []
+        for split in splits:
+            dataset = folder.image_folder(self.root / split, None)
+            if line := folder.loose_warning(dataset):
+                say(f"warning: {line}", stderr=True)
+            names += [f"{split}/{path}" for path in folder.relative_paths(dataset)]
+        return names
+
+    def problem(self, name: str) -> str | None:
+        """Why sample `name` cannot be used, or None when it decodes."""
+        return folder.image_problem(str(self.root / name), self.max_pixels)
+
+    def shown(self, name: str) -> str:
+        return str(self.root / name)
+
+
+@dataclass(frozen=True)
+class DummySource:
+    """--dummy: random images of ImageNet's sizes, for throughput tests."""
+
+    image_size: int
+
+    def split(self, name: str, transform=None, leave_out: frozenset[str] = frozenset()) -> Split:
+        size = self.image_size
+        # FakeData makes PIL images: as tensors, they take the same path as decoded files.
+        to_tensor = v2.PILToTensor()
+        dataset = datasets.FakeData(
+            DUMMY_SIZES[name],
+            (3, size, size),
+            DUMMY_CLASSES,
+            v2.Compose([to_tensor, transform]) if transform else to_tensor,
+            random_offset=SPLITS.index(name),
+        )
+        classes = {str(i): i for i in range(DUMMY_CLASSES)}
+        return Split(dataset, classes, "--dummy", {"images": len(dataset), "digest": None})
+
+
+Source = FolderSource | DummySource
+
+
+def open_source(config: Config, log=None) -> Source:
+    """The source DATA names; `log` hears of the built-in data set being made."""
+    if config.dummy:
+        return DummySource(config.image_size)
+    if config.data is None:
+        return FolderSource(ensure_builtin(log=log), config.max_image_pixels)
+    root = Path(config.data)
+    if not root.is_dir():
+        raise UserError(
+            f"DATA: {root} is not a directory (expected an ImageFolder root with train/ and val/)"
+        )
+    return FolderSource(root, config.max_image_pixels)
+
+
+def check_same_classes(train: Split, val: Split) -> None:
+    if train.class_to_idx != val.class_to_idx:
+        only_train = sorted(set(train.class_to_idx) - set(val.class_to_idx))
+        only_val = sorted(set(val.class_to_idx) - set(train.class_to_idx))
+        raise UserError(
+            f"class folders of {train.where} and {val.where} differ: only in train: "
+            f"{only_train or 'none'}; only in val: {only_val or 'none'}"
+        )
