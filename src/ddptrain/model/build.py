@@ -1,5 +1,5 @@
-"""Models by torchvision name, optionally from pretrained weights: the architecture's default
-torchvision weights, a `ddptrain export` (.safetensors) or a ddptrain checkpoint."""
+"""Models by --arch (model/providers.py), optionally from pretrained weights: the
+architecture's published weights, a `ddptrain export` (.safetensors) or a ddptrain checkpoint."""
 
 import hashlib
 import json
@@ -7,7 +7,6 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-import torchvision
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import nn
@@ -15,6 +14,7 @@ from torch import nn
 from ddptrain.distributed.collectives import agree, rank0_first
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError, first_line
+from ddptrain.model.providers import provider
 from ddptrain.state.files import load as load_checkpoint
 from ddptrain.state.files import safe_load
 
@@ -27,10 +27,6 @@ class CropError(UserError):
             f"--arch {arch} does not run on {image_size} px crops (--image-size): {reason}"
         )
         self.reason = reason
-
-
-# These take their pretrained weights with ImageNet's input transform built in.
-TRANSFORM_INPUT = ("googlenet", "inception_v3")
 
 
 def build_model(
@@ -46,14 +42,9 @@ def build_model(
     (parallelize.builds_on_meta); unchecked, as rank 0's check speaks for every rank. A model
     that cannot be built there (RegNet) is built with weights.
     """
-    # Only torchvision's own weights expect it (pretrained=True; a str is a file of ours).
-    extra = {"transform_input": True} if pretrained is True and arch in TRANSFORM_INPUT else {}
-    if arch.startswith("vit_") and pretrained is not True:
-        # A ViT's position embedding is sized for its image size (224 unless told): build it
-        # for the crops it will see. Published weights are for 224 px only.
-        extra["image_size"] = image_size
     try:
-        model = _structure(arch, meta, num_classes=num_classes, **extra)
+        # published: the provider's own weights (pretrained=True; a str is a file of ours)
+        model = provider(arch).build(arch, num_classes, image_size, pretrained is True, meta)
     except AssertionError as err:  # a ViT for crops its patches do not divide
         raise CropError(arch, image_size, first_line(err)) from None
     if next(model.parameters()).is_meta:
@@ -71,17 +62,6 @@ def build_model(
     return model
 
 
-def _structure(arch: str, meta: bool, **options) -> nn.Module:
-    """torchvision's model, on the meta device if asked and the model can be built there."""
-    if meta:
-        try:
-            with torch.device("meta"):
-                return torchvision.models.get_model(arch, **options)
-        except (NotImplementedError, RuntimeError):
-            pass  # RegNet reads its widths out of tensors: built with weights, as on rank 0
-    return torchvision.models.get_model(arch, **options)
-
-
 def _pretrained_state(arch: str, show_progress: bool) -> dict[str, torch.Tensor]:
     """The arch's default weights from torch hub's cache, downloaded there when absent.
 
@@ -90,8 +70,8 @@ def _pretrained_state(arch: str, show_progress: bool) -> dict[str, torch.Tensor]
     cache would run its code. Here the cached file must match the hash its published name
     carries, and is loaded with weights_only=True all the same.
     """
-    weights = torchvision.models.get_model_weights(arch).DEFAULT
-    name = Path(urlparse(weights.url).path).name
+    url = provider(arch).weights_url(arch)
+    name = Path(urlparse(url).path).name
     path = Path(torch.hub.get_dir()) / "checkpoints" / name
     published = torch.hub.HASH_REGEX.search(name)
     if not path.is_file():
@@ -99,11 +79,11 @@ def _pretrained_state(arch: str, show_progress: bool) -> dict[str, torch.Tensor]
             path.parent.mkdir(parents=True, exist_ok=True)
             # Writes a temp file, checks the hash, then renames: never a torn or unverified file.
             torch.hub.download_url_to_file(
-                weights.url, str(path), published and published[1], progress=show_progress
+                url, str(path), published and published[1], progress=show_progress
             )
         except (OSError, RuntimeError) as err:  # URLError is an OSError; a bad hash a RuntimeError
             raise UserError(
-                f"--pretrained: cannot get the {arch} weights from {weights.url} ({err}); "
+                f"--pretrained: cannot get the {arch} weights from {url} ({err}); "
                 f"offline, put that file in {path.parent}"
             ) from None
     if published and not _sha256(path).startswith(published[1]):
@@ -151,7 +131,7 @@ def load_pretrained(
         # Loaded inside the collective: a file that does not fit ends every rank.
         fresh = rank0_first(env, lambda: _load_file(model, arch, Path(source), classes))
     if classes is not None:  # agreed: a rank built on the meta device knows of no head
-        what = f"torchvision's {arch}" if source is True else str(source)
+        what = f"{provider(arch).library}'s {arch}" if source is True else str(source)
         agree(env, lambda: _check_head(fresh, what, len(classes)))
     return fresh
 
