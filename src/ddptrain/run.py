@@ -128,20 +128,7 @@ def _build(
     for line in resolved.notes:
         reporter.info(line)
     position = resolved.start(loaders.steps_per_epoch)
-    check_same(
-        env,
-        {
-            "train images": loaders.train_sampler.num_samples if loaders.train_sampler else 0,
-            "val images": loaders.num_val,
-            "classes": loaders.class_to_idx,
-            "resumed position": (position.epoch, position.epoch_step, position.global_step),
-            "data seed": resolved.seed,
-            "data files": loaders.facts,
-        },
-    )
-    # fsdp's collectives, and the meaning of a checkpoint, need one precision on every rank
-    fix = "--amp auto chooses by each node's CPU or GPU: give --amp when the nodes differ"
-    check_same(env, {"--amp": precision.amp}, fix)
+    _check_same_everywhere(env, resolved, loaders, position, precision)
 
     if config.pretrained and saved is None:
         _load_pretrained(model, config, loaders, env, reporter)
@@ -171,13 +158,13 @@ def _build(
     summary = start_summary(
         config, env, loaders, precision, parameters, steps_per_epoch, resolved.resume
     )
-    meta, record = _records(config, env, loaders, precision, resolved.seed, summary)
     parts = training_parts(
         unwrap(model), optimizer, scheduler, env, precision.scaler, sharded=is_sharded(model)
     )
     if ema is not None:
         parts["model_ema"] = ema
     parts.update(checkpoint_parts(model, env))  # PowerSGD's state under --ddp-comm-hook powersgd
+    meta, record = _records(config, env, loaders, precision, resolved.seed, summary)
     checkpointer = Checkpointer(
         env,
         resolved.out_dir,
@@ -216,6 +203,26 @@ def _build(
         state=state,
         summary=summary,
     )
+
+
+def _check_same_everywhere(
+    env: DistEnv, resolved: Resolved, loaders: Data, position: TrainState, precision: Precision
+) -> None:
+    """What every rank must have alike before the collectives start."""
+    check_same(
+        env,
+        {
+            "train images": loaders.train_sampler.num_samples if loaders.train_sampler else 0,
+            "val images": loaders.num_val,
+            "classes": loaders.class_to_idx,
+            "resumed position": (position.epoch, position.epoch_step, position.global_step),
+            "data seed": resolved.seed,
+            "data files": loaders.facts,
+        },
+    )
+    # fsdp's collectives, and the meaning of a checkpoint, need one precision on every rank
+    fix = "--amp auto chooses by each node's CPU or GPU: give --amp when the nodes differ"
+    check_same(env, {"--amp": precision.amp}, fix)
 
 
 def _model(resolved: Resolved, loaders: Data, env: DistEnv) -> torch.nn.Module:

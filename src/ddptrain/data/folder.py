@@ -216,16 +216,6 @@ def loose_warning(dataset: ImageFolder) -> str | None:
     )
 
 
-def check_same_classes(train: ImageFolder, val: ImageFolder) -> None:
-    if train.classes != val.classes:
-        only_train = sorted(set(train.classes) - set(val.classes))
-        only_val = sorted(set(val.classes) - set(train.classes))
-        raise UserError(
-            f"class folders of {train.root} and {val.root} differ: only in train: "
-            f"{only_train or 'none'}; only in val: {only_val or 'none'}"
-        )
-
-
 def relative_paths(dataset: ImageFolder) -> list[str]:
     """Each sample's path relative to the dataset's root (class/file), in the dataset's order:
     the same on every node, wherever the data is mounted."""
