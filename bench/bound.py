@@ -7,7 +7,6 @@ prints a JSON line: samples/s of each epoch, and the cores the process kept busy
 """
 
 import argparse
-import dataclasses
 import itertools
 import json
 import resource
@@ -113,7 +112,7 @@ def main() -> None:
     )
     env = init_distributed(config)  # the thread count the CLI would choose, workers counted
     # The batches one epoch of the real loader yields, decoded up front.
-    loaders = build_data(dataclasses.replace(config, workers=0), env, Path(args.data), seed=0)
+    loaders = build_data(config.replace(workers=0), env, Path(args.data), seed=0)
     steps = loaders.train_sampler.steps
     batches = list(itertools.islice(loaders.train_loader, steps))
     model = build_model(config.arch, loaders.num_classes, config.image_size, pretrained=False)

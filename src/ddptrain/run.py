@@ -10,7 +10,6 @@ Setup runs in three phases so that a user error on any rank ends every rank:
    shards), restore the checkpoint into them.
 """
 
-import dataclasses
 import os
 import random
 import secrets
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 
 from ddptrain.config import MEMORY_SETTINGS, Config, inert_flags
-from ddptrain.config_layers import resumed
+from ddptrain.config_layers import Layers, check_batch_divides_early, resumed, settled
 from ddptrain.data.check import images_to_leave_out
 from ddptrain.data.loaders import Data, build_data
 from ddptrain.data.synth import ensure_builtin
@@ -81,8 +80,12 @@ from ddptrain.train.preempt import StopRequests
 from ddptrain.train.schedule import fast_forward, no_warmup_warning
 
 
-def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
-    """Runs the configured job on this process. Importable: any launcher can call it."""
+def train(
+    config: Config, slot: SpawnSlot | None = None, layers: Layers | None = None
+) -> TrainState:
+    """Runs the configured job on this process. Importable: any launcher can call it. layers:
+    what a config file and the flags gave (cli.parse); None: nothing, a Config made in code."""
+    layers = layers or Layers()
     env = init_distributed(config, slot, say)
     phases = Phases(env)
     try:
@@ -90,7 +93,7 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
         # or the model built ends this rank with its line and tells the others (phases),
         # where the signal's default action killed it without a word.
         with StopRequests(env) as stop:
-            return _train(config, env, phases, stop)
+            return _train(config, layers, env, phases, stop)
     except BaseException as err:
         if peer_lost(err) and (stalled := phases.stalled()):
             err.add_note(stalled)  # which ranks did not arrive, and where they were
@@ -109,8 +112,10 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
         teardown_distributed()
 
 
-def _train(config: Config, env: DistEnv, phases: Phases, stop: StopRequests) -> TrainState:
-    config.check_batch_divides_early(env.world_size)
+def _train(
+    config: Config, layers: Layers, env: DistEnv, phases: Phases, stop: StopRequests
+) -> TrainState:
+    check_batch_divides_early(config, layers, env.world_size)
     _check_offload_clipping(config, env)
     out_dir = Path(config.out_dir)
     if not config.evaluate:  # one run per out-dir, before anything reads or writes it
@@ -129,12 +134,12 @@ def _train(config: Config, env: DistEnv, phases: Phases, stop: StopRequests) -> 
         _seed_everything(config.seed, env)
 
     # --verify-images, --bad-images skip, of DATA as given or as the resumed run's
-    data = config.data
+    data = config.data.root
     if data is None and resume is not None and config.checks_images:
         data = from_rank0(env, lambda: saved_data(resume))
-    leave_out = images_to_leave_out(dataclasses.replace(config, data=data), env, say, counting)
+    leave_out = images_to_leave_out(config.replace(data=data), env, say, counting)
     config, loaders, model, precision, saved, seed, reporter = agree(
-        env, lambda: _prepare(config, env, out_dir, seed, resume, leave_out)
+        env, lambda: _prepare(config, layers, env, out_dir, seed, resume, leave_out)
     )
     if config.seed is not None and not seeded:  # the checkpoint's --seed: its kernels too
         _seed_everything(config.seed, env)
@@ -408,6 +413,7 @@ def _seed_everything(seed: int, env: DistEnv) -> None:
 
 def _prepare(
     config: Config,
+    layers: Layers,
     env: DistEnv,
     out_dir: Path,
     seed: int,
@@ -421,12 +427,12 @@ def _prepare(
     if saved is not None:
         seed = int(saved.get("data_seed", seed))
         # The checkpoint's settings under what the flags and --config gave.
-        given, config = config, resumed(config, saved.get("config"))
+        given, config = config, resumed(config, layers, saved.get("config"))
         if not config.evaluate:  # evaluating another batch or other data is fine
             check_position(saved, config)
             check_same_leave_out(given, config, resume)
         _check_offload_clipping(config, env)  # with the checkpoint's settings too
-    config = config.settled()
+    config = settled(config)
     config.check_batch_divides(env.world_size)  # -b is the checkpoint's unless given
     if config.tensorboard and not config.evaluate:  # eval writes no events
         require_tensorboard()  # on every rank, so that every rank stops when it is missing
@@ -450,8 +456,9 @@ def _prepare(
     reporter = Reporter(
         env, out_dir, config.progress, config.tensorboard, done.global_step, config.evaluate
     )
-    kept = None if saved is None or config.evaluate else kept_seed(config, saved)
-    for line in [*inert_flags(config), kept, precision.warning, *loaders.warnings]:
+    flags = layers.on_command_line
+    kept = None if saved is None or config.evaluate else kept_seed(config, saved, flags)
+    for line in [*inert_flags(config, flags), kept, precision.warning, *loaders.warnings]:
         if line:
             reporter.warn(line)
     if saved is None:
@@ -470,9 +477,9 @@ def _prepare(
 def _data_root(config: Config, env: DistEnv) -> Path | None:
     if config.dummy:
         return None
-    if config.data is None:
+    if config.data.root is None:
         return ensure_builtin(log=say if env.is_main else None)
-    root = Path(config.data)
+    root = Path(config.data.root)
     if not root.is_dir():
         raise UserError(
             f"DATA: {root} is not a directory (expected an ImageFolder root with train/ and val/)"

@@ -463,18 +463,18 @@ def test_a_resume_asks_for_the_flags_that_left_images_out(tmp_path):
         ([], "--bad-images skip"),
         (["--bad-images", "skip"], "--max-image-pixels 500"),
     ]:
-        _, given = cli.parse(["train", str(tmp_path), *argv])
+        _, (given, layers) = cli.parse(["train", str(tmp_path), *argv])
         with pytest.raises(UserError, match=f"trained with {flag}: give it again"):
-            check_same_leave_out(given, resumed(given, skipped), tmp_path)
+            check_same_leave_out(given, resumed(given, layers, skipped), tmp_path)
     argv = ["--bad-images", "skip", "--max-image-pixels", "500"]
-    _, given = cli.parse(["train", str(tmp_path), *argv])
-    check_same_leave_out(given, resumed(given, skipped), tmp_path)
+    _, (given, layers) = cli.parse(["train", str(tmp_path), *argv])
+    check_same_leave_out(given, resumed(given, layers, skipped), tmp_path)
     # Nothing left out: the loaders take the checkpoint's settings, and nothing is asked.
     checked = Config(verify_images=True, max_image_pixels=500).to_dict()
-    _, given = cli.parse(["train", str(tmp_path)])
-    check_same_leave_out(given, resumed(given, checked), tmp_path)
-    _, given = cli.parse(["train"])  # the built-in data set is not checked
-    check_same_leave_out(given, resumed(given, skipped), tmp_path)
+    _, (given, layers) = cli.parse(["train", str(tmp_path)])
+    check_same_leave_out(given, resumed(given, layers, checked), tmp_path)
+    _, (given, layers) = cli.parse(["train"])  # the built-in data set is not checked
+    check_same_leave_out(given, resumed(given, layers, skipped), tmp_path)
 
 
 def test_a_config_json_that_is_not_ddptrains_is_refused_not_overwritten(tmp_path):

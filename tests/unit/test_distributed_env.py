@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddptrain.config import Config
+from ddptrain.config import Config, LaunchSettings
 from ddptrain.distributed import env, launch, ports
 from ddptrain.distributed.env import (
     SpawnSlot,
@@ -209,15 +209,16 @@ def test_restarts_across_nodes_are_warned_of_on_rank_0_only(monkeypatch, capsys)
 def test_multiprocessing_distributed_reads_nodes_as_the_classic_example_does(monkeypatch):
     """Under env://, WORLD_SIZE and RANK are the node count and this node's rank, when
     --world-size and --rank do not say them (a scheduler that exports them for each node)."""
-    assert launch._nodes(Config()) == (1, 0)
+    assert launch._nodes(LaunchSettings()) == (1, 0)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    assert launch._nodes(Config()) == (2, 1)
-    assert launch._nodes(Config(world_size=3, rank=2)) == (3, 2)  # the flags win
-    assert launch._nodes(Config(dist_url="tcp://h:5")) == (1, 0)  # a URL of its own: flags only
+    assert launch._nodes(LaunchSettings()) == (2, 1)
+    assert launch._nodes(LaunchSettings(world_size=3, rank=2)) == (3, 2)  # the flags win
+    # a URL of its own: flags only
+    assert launch._nodes(LaunchSettings(dist_url="tcp://h:5")) == (1, 0)
     monkeypatch.delenv("RANK")
     with pytest.raises(UserError, match="needs --rank"):
-        launch._nodes(Config())
+        launch._nodes(LaunchSettings())
 
 
 def test_a_free_port_is_drawn_above_the_ephemeral_range_whatever_the_seed():

@@ -1,7 +1,5 @@
 """--opt, --norm-weight-decay and the LR the optimizer starts from."""
 
-import dataclasses
-
 import pytest
 import torch
 import torchvision
@@ -109,7 +107,7 @@ def test_flags_given_on_resume_win_over_the_checkpoints_settings(schedule):
         lr_milestones=[2, 3],
     )
     saved_optimizer, saved_schedule = _stepping(before, 6)  # mid-epoch 2, after the warmup
-    given = dataclasses.replace(before, lr=0.01, momentum=0.5)
+    given = before.replace(lr=0.01, momentum=0.5)
     optimizer, scheduler = build_optimizer(tiny_convnet(), given, steps_per_epoch=4)
     built = settings(optimizer)
     optimizer.load_state_dict(saved_optimizer.state_dict())

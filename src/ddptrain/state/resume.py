@@ -148,12 +148,13 @@ def saved_data(path: Path) -> str | None:
     return data if isinstance(data, str) else None
 
 
-def kept_seed(config: Config, saved: dict) -> str | None:
-    """A line for a --seed given on resuming a run whose data seed differs: the run keeps its
-    own, so that its sample order and augmentation continue exactly (and its random states come
-    back from the checkpoint), whatever config.json then records as --seed."""
+def kept_seed(config: Config, saved: dict, on_command_line: frozenset[str]) -> str | None:
+    """A line for a --seed given on the command line (`on_command_line`: config_layers.Layers)
+    on resuming a run whose data seed differs: the run keeps its own, so that its sample order
+    and augmentation continue exactly (and its random states come back from the checkpoint),
+    whatever config.json then records as --seed."""
     data_seed = saved.get("data_seed")
-    if "seed" not in config.on_command_line or data_seed in (None, config.seed):
+    if "seed" not in on_command_line or data_seed in (None, config.seed):
         return None
     return (
         f"--seed {config.seed} does not reseed a resumed run: it keeps its data seed "
@@ -232,7 +233,7 @@ def check_same_leave_out(given: Config, merged: Config, path: Path) -> None:
     is read, with the flags given: the checkpoint's own --bad-images skip, or the
     --max-image-pixels that made an image bad, comes too late, and the resumed run read as
     trained on other data ("trained on 8 train images, and DATA has 9 now")."""
-    if merged.bad_images != "skip" or merged.data is None or merged.dummy:
+    if merged.bad_images != "skip" or merged.data.root is None or merged.dummy:
         return  # nothing is left out: the loaders take the checkpoint's settings
     for name in ("bad_images", "max_image_pixels"):
         was = getattr(merged, name)
