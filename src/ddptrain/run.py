@@ -86,7 +86,7 @@ def train(
     """Runs the configured job on this process. Importable: any launcher can call it. layers:
     what a config file and the flags gave (cli.parse); None: nothing, a Config made in code."""
     layers = layers or Layers()
-    env = init_distributed(config, slot, say)
+    env = init_distributed(config.launch, config.data.workers, slot, say)
     phases = Phases(env)
     try:
         # From here, not from the first step: a SIGTERM or SIGUSR1 while the data is listed
@@ -192,14 +192,14 @@ def _train(
         place=lambda built: precision.place(built, env.device),
     )
     steps_per_epoch = loaders.steps_per_epoch
-    optimizer, scheduler = build_optimizer(model, config, steps_per_epoch)
+    optimizer, scheduler = build_optimizer(model, config.optim, steps_per_epoch)
     if env.is_main and not config.evaluate:  # before the first save, while a warning helps
         no_room = room_warning(
             out_dir, checkpoint_bytes(unwrap(model), optimizer), config.keep_last
         )
         if no_room:
             reporter.warn(no_room)
-        no_warmup = no_warmup_warning(config, steps_per_epoch)
+        no_warmup = no_warmup_warning(config.optim, steps_per_epoch)
         if no_warmup:
             reporter.warn(no_warmup)
     if env.is_main:
@@ -207,7 +207,7 @@ def _train(
         if crowded:
             reporter.warn(crowded)
     twin = None if structure is None else fsdp.shard_twin(structure, env, **sharding)
-    ema = build_ema(unwrap(model), config, env, steps_per_epoch, averaged=twin)
+    ema = build_ema(unwrap(model), config.optim, env, steps_per_epoch, averaged=twin)
     summary = start_summary(config, env, loaders, precision, parameters, steps_per_epoch, resume)
     meta, record = _records(config, env, loaders, precision, seed, summary)
     parts = training_parts(
@@ -245,7 +245,7 @@ def _train(
         precision=precision,
         checkpointer=None if config.evaluate else checkpointer,
         stop=stop,
-        criterion=build_criterion(config, loaders.num_classes),
+        criterion=build_criterion(config.optim, loaders.num_classes),
         ema=ema,
         phases=phases,
         profiler=_profiler(config, env, out_dir),
@@ -451,7 +451,10 @@ def _prepare(
             check_same_data(saved, loaders.facts, resume)
             check_trainable(saved, resume)
             check_continuable(saved, config, resume)
-    precision = resolve_precision(config, None, model, env.device)
+    seeded = config.optim.seed is not None
+    precision = resolve_precision(
+        config.model, None, model, env.device, image_size=config.data.image_size, seeded=seeded
+    )
     done = TrainState.from_checkpoint(saved or {"epoch": config.start_epoch})
     reporter = Reporter(
         env, out_dir, config.progress, config.tensorboard, done.global_step, config.evaluate

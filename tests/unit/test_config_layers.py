@@ -223,8 +223,15 @@ def test_the_checkpoint_layer_replaces_resolve_precisions_own_fallback(flags, sa
     _, (config, layers) = parse(["train", *flags])
     saved_config = None if saved is None else {**Config().to_dict(), **saved}
 
-    today = resolve_precision(config, saved_config, convnet, cpu).settings()
-    merged = resolve_precision(resumed(config, layers, saved_config), None, convnet, cpu).settings()
+    def settings_of(config, saved_config):
+        size, seeded = config.data.image_size, config.optim.seed is not None
+        resolved = resolve_precision(
+            config.model, saved_config, convnet, cpu, image_size=size, seeded=seeded
+        )
+        return resolved.settings()
+
+    today = settings_of(config, saved_config)
+    merged = settings_of(resumed(config, layers, saved_config), None)
     assert merged == today
 
 
