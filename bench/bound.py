@@ -7,7 +7,6 @@ prints a JSON line: samples/s of each epoch, and the cores the process kept busy
 """
 
 import argparse
-import dataclasses
 import itertools
 import json
 import resource
@@ -111,15 +110,23 @@ def main() -> None:
         device=args.device,
         print_freq=10**9,
     )
-    env = init_distributed(config)  # the thread count the CLI would choose, workers counted
+    # the thread count the CLI would choose, workers counted
+    env = init_distributed(config.launch, config.data.workers)
     # The batches one epoch of the real loader yields, decoded up front.
-    loaders = build_data(dataclasses.replace(config, workers=0), env, open_source(config), seed=0)
+    loaders = build_data(config.replace(workers=0), env, open_source(config), seed=0)
     steps = loaders.train_sampler.steps
     batches = list(itertools.islice(loaders.train_loader, steps))
     model = build_model(config.arch, loaders.num_classes, config.image_size, pretrained=False)
-    precision = resolve_precision(config, None, model, env.device)
+    precision = resolve_precision(
+        config.model,
+        None,
+        model,
+        env.device,
+        image_size=config.data.image_size,
+        seeded=config.optim.seed is not None,
+    )
     model = precision.place(model, env.device)
-    optimizer, scheduler = build_optimizer(model, config)
+    optimizer, scheduler = build_optimizer(model, config.optim)
     feed = Data(batches, Preloaded([steps] * args.epochs), [], 0, loaders.class_to_idx)
     cores: list[float] = []
     parts = (config, env, feed, model, optimizer, scheduler, precision, args.epochs)

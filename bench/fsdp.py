@@ -108,12 +108,19 @@ def rank_main(
         image_size=image_size, amp=amp, device="cpu", lr=0.1 * per_rank_batch * RANKS / 256,
         print_freq=10**9, epochs=2, strategy=strategy,
     )  # fmt: skip
-    env = init_distributed(config)
+    env = init_distributed(config.launch, config.data.workers)
     try:
         count = max(TRACKED_STEPS, steps)
         batches = random_batches(count, per_rank_batch, image_size, CLASSES, seed=env.rank)
         model = build_model(arch, CLASSES, image_size, pretrained=False)
-        precision = resolve_precision(config, None, model, env.device)
+        precision = resolve_precision(
+            config.model,
+            None,
+            model,
+            env.device,
+            image_size=config.data.image_size,
+            seeded=config.optim.seed is not None,
+        )
         blank = torch.zeros(2, 3, image_size, image_size, dtype=torch.uint8)
         example = precision.inputs(blank, env.device)  # as ddptrain lays out DDP's buckets
         place = lambda built: precision.place(built, env.device)  # noqa: E731
@@ -124,7 +131,7 @@ def rank_main(
             model, env, strategy=strategy, arch=arch, amp_dtype=amp_dtype, example=example,
             place=place,
         )  # fmt: skip
-        optimizer, scheduler = build_optimizer(model, config)
+        optimizer, scheduler = build_optimizer(model, config.optim)
         step = Step(model, optimizer, precision)
         tracked = batches[:TRACKED_STEPS]
         peaks, method = step_peaks(step, tracked, precision, env, model, optimizer)

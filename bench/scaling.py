@@ -80,18 +80,25 @@ def rank_main(
         dummy=True, batch_size=batch, workers=0, image_size=image_size, amp=amp,
         device="cpu", lr=0.1 * batch / 256, print_freq=10**9, epochs=2,
     )  # fmt: skip
-    env = init_distributed(config)
+    env = init_distributed(config.launch, config.data.workers)
     try:
         per_rank = batch // env.world_size
         count = max(steps, WARMUP_STEPS)
         batches = random_batches(count, per_rank, image_size, CLASSES, seed=env.rank)
         model = build_model("resnet18", CLASSES, image_size, pretrained=False)
-        precision = resolve_precision(config, None, model, env.device)
+        precision = resolve_precision(
+            config.model,
+            None,
+            model,
+            env.device,
+            image_size=config.data.image_size,
+            seeded=config.optim.seed is not None,
+        )
         model = precision.place(model, env.device)
         if hook is not None:
             comm = Communication(hook=hook, powersgd_start_step=POWERSGD_START)
             model = wrap(model, env, gpu_pinned=False, comm=comm)
-        optimizer, scheduler = build_optimizer(model, config)
+        optimizer, scheduler = build_optimizer(model, config.optim)
         feed = Data(batches, Preloaded([WARMUP_STEPS, steps]), [], 0, {})
         profiler = TopOps(WARMUP_STEPS, steps) if profiled and env.is_main else None
         parts = (config, env, feed, model, optimizer, scheduler, precision, 2, profiler)

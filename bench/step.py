@@ -63,9 +63,16 @@ def ddptrain_steps(batches, amp: str, lr: float, batch: int, image_size: int, cl
     )  # fmt: skip
     device = torch.device("cpu")
     model = build_model("resnet18", classes, image_size, pretrained=False)
-    precision = resolve_precision(config, None, model, device)
+    precision = resolve_precision(
+        config.model,
+        None,
+        model,
+        device,
+        image_size=config.data.image_size,
+        seeded=config.optim.seed is not None,
+    )
     model = precision.place(model, device)
-    optimizer, scheduler = build_optimizer(model, config)
+    optimizer, scheduler = build_optimizer(model, config.optim)
     step_once = Step(model, optimizer, precision, scheduler=scheduler)
     sums = Sums(device)
     model.train()

@@ -4,10 +4,10 @@ import argparse
 from pathlib import Path
 
 from ddptrain.config import (
+    HELP_GROUPS,
     MAX_IMAGE_PIXELS,
     MEMORY_SETTINGS,
-    SECTIONS,
-    Config,
+    OptimSettings,
     flag_name,
     settings,
 )
@@ -29,17 +29,17 @@ def _default_text(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _add_flag(group, f) -> None:
-    """One train flag, from the Config field that documents it."""
-    scalar, nargs, _ = kinds()[f.name]
+def _add_flag(group, key: str, f) -> None:
+    """One train flag, from the field that documents it; `key` is its flat key."""
+    scalar, nargs, _ = kinds()[key]
     meta = f.metadata
-    names = meta["names"] or (flag_name(f.name),)
+    names = meta["names"] or (flag_name(key),)
     help_text = meta["help"]
     if help_text is None:
         help_text = argparse.SUPPRESS
     elif f.default is not None and f.default is not False and f.default != ():
         help_text += f" (default: {_default_text(f.default)})"
-    kwargs = dict(dest=f.name, help=help_text)
+    kwargs = dict(dest=key, help=help_text)
     if nargs == "?":  # --pretrained [FILE]
         kwargs.update(nargs="?", const=True, metavar=meta["metavar"])
     elif scalar is bool:
@@ -55,21 +55,20 @@ def _add_flag(group, f) -> None:
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of train and eval, one per Config field. No defaults: only the flags given
-    reach config_layers.merge, which puts them above a config file and a checkpoint."""
-    fields = {f.name: f for f in settings()}
-    p.add_argument("data", nargs="?", metavar="DATA", help=fields.pop("data").metadata["help"])
+    """The flags of train and eval, one per setting. No defaults: only the flags given reach
+    config_layers.merge, which puts them above a config file and a checkpoint."""
+    fields = settings()
+    p.add_argument("data", nargs="?", metavar="DATA", help=fields["data"].metadata["help"])
     p.add_argument(
         "--config",
         metavar="FILE|recipe:NAME",
         help="settings from a TOML file (keys: long flag names), a config.json a run wrote, "
         f"or a shipped recipe: {', '.join(recipes())}; flags given here win",
     )
-    group = p
-    for name, f in fields.items():
-        if name in SECTIONS:
-            group = p.add_argument_group(SECTIONS[name])
-        _add_flag(group, f)
+    for title, keys in HELP_GROUPS.items():
+        group = p.add_argument_group(title)
+        for key in keys:
+            _add_flag(group, key, fields[key])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,8 +153,8 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         "-b",
         "--batch-size",
         type=int,
-        default=Config.batch_size,
-        help=f"GLOBAL batch size, summed over all ranks (default: {Config.batch_size})",
+        default=OptimSettings.batch_size,
+        help=f"GLOBAL batch size, summed over all ranks (default: {OptimSettings.batch_size})",
     )
     p.add_argument("--image-size", type=int, default=224, help="train crop in px (default: 224)")
     p.add_argument("--amp", default="none", help="none, bf16 or fp16 (default: none)")
@@ -169,14 +168,15 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         help="memory of one device (default: this machine's CUDA device, if any)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object keyed ddp and fsdp")
-    fields = {f.name: f for f in settings()}
+    fields = settings()
     for name in MEMORY_SETTINGS:  # as train takes them
-        _add_flag(p, fields[name])
+        _add_flag(p, name, fields[name])
         p.set_defaults(**{name: fields[name].default})
 
 
 def parse(argv: list[str] | None = None) -> tuple[str, object]:
-    """Returns ("train", Config) for train and eval, ("synth", (SynthSpec, OUT)) for synth,
+    """Returns ("train", (Config, Layers)) for train and eval (config_layers.merge: the settings,
+    and what the file and the flags gave), ("synth", (SynthSpec, OUT)) for synth,
     ("plot", (RUN_DIRs, out or None)), ("export", (CKPT, out)), ("convert", (SRC, DST)),
     ("check", {"data", "workers", "max_image_pixels"}) and ("plan", PlanRequest)."""
     args = vars(build_parser().parse_args(argv))
@@ -256,14 +256,15 @@ def _run(argv: list[str] | None) -> None:
         return
     from ddptrain import run
 
-    if options.multiprocessing_distributed:
+    config, layers = options
+    if config.launch.multiprocessing_distributed:
         from ddptrain.distributed.launch import spawn
 
-        code = spawn(options, run.train)
+        code = spawn(config, layers, run.train)
         if code:
             raise SystemExit(code)
         return
-    run.train(options)
+    run.train(config, layers=layers)
 
 
 def main(argv: list[str] | None = None) -> int:

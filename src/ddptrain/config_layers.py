@@ -2,10 +2,11 @@
 
     defaults < checkpoint config (on resume) < --config FILE < command-line flags
 
-Each layer holds only what it sets, keyed by Config field names: argparse leaves out the flags
-not given (cli.py), `read` turns a TOML file, a shipped recipe or a saved config.json into such
-a dict, and `resumed` puts a checkpoint's settings under what the user gave. `merge` is the one
-place where layers meet.
+Each layer holds only what it sets, keyed by flat keys (config.py): argparse leaves out the
+flags not given (cli.py), `read` turns a TOML file, a shipped recipe or a saved config.json into
+such a dict, and `resumed` puts a checkpoint's settings under what the user gave. `merge` is the
+one place where layers meet; it returns the Config and, beside it, its `Layers`: what the file
+and the flags gave, which is no setting (never in config.json or a checkpoint).
 
 The type checks are written out here: a handful of scalar kinds and tuples of them, where a
 validation library would be a dependency whose messages name Python types instead of the key
@@ -19,25 +20,66 @@ import re
 import tomllib
 import types
 import typing
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ddptrain.config import Config, flag_name, settings
+from ddptrain.config import SECTIONS, Config, flag_name, flat_key, settings
 from ddptrain.errors import UserError
 
 RECIPE = "recipe:"
+
+
+@dataclass(frozen=True)
+class Layers:
+    """What the layers above the defaults gave, by flat key, beside the Config they made.
+    given: set by a --config file or a flag, which a resumed checkpoint's settings must not
+    replace (`resumed`); on_command_line: set by a flag, which the run names where it acts on
+    nothing (config.inert_flags). Layers() is a Config made in code: nothing given."""
+
+    given: frozenset[str] = frozenset()
+    on_command_line: frozenset[str] = frozenset()
+
+
+class Unsettled(Config):
+    """The settings of a run that resumes a checkpoint, before the checkpoint's settings come in
+    under them (`merge` without `saved`): each setting is checked, but not how they combine,
+    which the checkpoint's may still complete (`--fsdp-offload` resuming an fsdp run,
+    `--val-resize` evaluating a 16 px one). `resumed` or `settled` makes the checked Config;
+    `replace` keeps it unsettled."""
+
+    checks_combinations = False
+
+
+def settled(config: Config) -> Config:
+    """config once no checkpoint's settings are still to come in (they are in, or there are
+    none): the checks that waited for them run now."""
+    if config.checks_combinations:
+        return config
+    return Config(**config.to_dict())
+
+
+def check_batch_divides_early(config: Config, layers: Layers, world_size: int) -> None:
+    """Config.check_batch_divides before anything slow (--verify-images decodes every image),
+    when no checkpoint can bring its own -b or --accum-steps: those are checked once merged."""
+    resume = config.checkpoint.resume
+    if resume is None or {"batch_size", "accum_steps"} <= layers.given:
+        config.check_batch_divides(world_size)
 
 
 @functools.cache
 def kinds() -> dict[str, tuple[type, int | str | None, bool]]:
     """Each setting's (scalar type, argparse nargs: None, N or "+", whether None is allowed)."""
     out = {}
-    hints = typing.get_type_hints(Config)
-    for f in settings():
-        hint = hints[f.name]
+    hints = {}
+    for section in SECTIONS.values():
+        own = typing.get_type_hints(section)
+        hints.update({flat_key(f): own[f.name] for f in fields(section)})
+    for key in settings():
+        hint = hints[key]
         args = typing.get_args(hint)
         optional = isinstance(hint, types.UnionType) and type(None) in args
         if set(args) == {bool, str}:  # --pretrained: the flag alone, or a path
-            out[f.name] = ((bool, str), "?", False)
+            out[key] = ((bool, str), "?", False)
             continue
         if optional:
             hint = next(a for a in args if a is not type(None))
@@ -46,7 +88,7 @@ def kinds() -> dict[str, tuple[type, int | str | None, bool]]:
             items = typing.get_args(hint)
             nargs = "+" if items[-1] is Ellipsis else len(items)
             hint = items[0]
-        out[f.name] = (hint, nargs, optional)
+        out[key] = (hint, nargs, optional)
     return out
 
 
@@ -94,11 +136,11 @@ def from_record(record: dict, where: str) -> dict:
     """The settings of a saved run's configuration (a checkpoint's `config` entry, a
     config.json) that a new run takes over: not the `invocation` ones, which said where and how
     that run was started, and not keys this version does not know."""
-    fields = {f.name: f for f in settings()}
+    known = settings()
     out = {
         name: coerce(name, value, where)
         for name, value in record.items()
-        if name in fields and not fields[name].metadata["invocation"]
+        if name in known and not known[name].metadata["invocation"]
     }
     # A record holds both; --lr-base, when set, is what decided the LR.
     out.pop("lr" if out.get("lr_base") is not None else "lr_base", None)
@@ -127,25 +169,18 @@ def merge(
     file: dict | None = None,
     saved: dict | None = None,
     file_name: str = "--config",
-    on_command_line: frozenset | None = None,
-) -> Config:
+) -> tuple[Config, Layers]:
     """The run's Config from its layers, each above the one before: the defaults, `saved` (a
-    resumed checkpoint's `config` entry), `file` (from `read`), `flags` (only the flags given).
-    The returned Config's `given` names what `file` and `flags` set, its `on_command_line`
-    what `flags` set (unless passed in: `resumed` keeps the command line's)."""
+    resumed checkpoint's `config` entry), `file` (from `read`), `flags` (only the flags given);
+    and its Layers: what `file` and `flags` set, and what `flags` set."""
     flags = {name: coerce(name, value, "command line") for name, value in flags.items()}
     user = _overlay(_overlay({}, file or {}, file_name), flags, "command line")
     below = from_record(saved or {}, "the checkpoint's config")
-    if on_command_line is None:
-        on_command_line = frozenset(flags)
     # A checkpoint to resume, its settings not in yet: the checks of settings against each
-    # other wait for them (Config.settled).
-    pending = not saved and bool(user.get("resume"))
-    layers = dict(
-        given=frozenset(user), on_command_line=on_command_line, checkpoint_pending=pending
-    )
+    # other wait for them (Unsettled).
+    made = Unsettled if not saved and user.get("resume") else Config
     try:
-        return Config(**_overlay(below, user, "command line"), **layers)
+        config = made(**_overlay(below, user, "command line"))
     except UserError as err:
         # Config's checks name the flags at fault: when the file gave them all, say so.
         named = set(re.findall(r"--[a-z][a-z0-9-]*", str(err)))
@@ -153,15 +188,17 @@ def merge(
         if named and named <= from_file:
             raise UserError(f"{file_name}: {err}") from None
         raise
+    return config, Layers(given=frozenset(user), on_command_line=frozenset(flags))
 
 
-def resumed(config: Config, saved_config: dict | None) -> Config:
-    """config with a resumed checkpoint's settings (its `config` entry) under what the user gave:
-    the checkpoint layer of `merge`. Without a saved config, config itself."""
+def resumed(config: Config, layers: Layers, saved_config: dict | None) -> Config:
+    """config with a resumed checkpoint's settings (its `config` entry) under what the user gave
+    (`layers.given`): the checkpoint layer of `merge`. Without a saved config, config itself."""
     if not saved_config:
         return config
-    given = {name: getattr(config, name) for name in config.given}
-    return merge(given, saved=saved_config, on_command_line=config.on_command_line)
+    values = config.to_dict()
+    given = {name: values[name] for name in layers.given}
+    return merge(given, saved=saved_config)[0]
 
 
 def recipes() -> list[str]:
@@ -221,8 +258,8 @@ def _names() -> dict[str, str]:
     """Every key a config file may use -> its field: the field name and each long flag name
     (--learning-rate, --wd), with dashes or underscores."""
     out = {}
-    for f in settings():
-        longs = [n[2:] for n in f.metadata["names"] if n.startswith("--")] or [f.name]
-        for key in {f.name, *longs}:
-            out[key.replace("-", "_")] = out[key.replace("_", "-")] = f.name
+    for name, f in settings().items():
+        longs = [n[2:] for n in f.metadata["names"] if n.startswith("--")] or [name]
+        for key in {name, *longs}:
+            out[key.replace("-", "_")] = out[key.replace("_", "-")] = name
     return out

@@ -9,7 +9,6 @@ merged settings checked, the data source found. One `agree` ends that part, so t
 error on any rank ends every rank. The seed is applied once, from the merged settings.
 """
 
-import dataclasses
 import os
 import random
 import secrets
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 
 from ddptrain.config import Config, inert_flags
-from ddptrain.config_layers import resumed
+from ddptrain.config_layers import Layers, check_batch_divides_early, resumed, settled
 from ddptrain.data.check import images_to_leave_out
 from ddptrain.data.sources import Source, open_source
 from ddptrain.distributed.collectives import agree, from_rank0
@@ -65,10 +64,10 @@ class Resolved:
         return TrainState(epoch=epoch, global_step=epoch * steps_per_epoch)
 
 
-def resolve(config: Config, env: DistEnv, locked=lambda: None) -> Resolved:
-    """The run `config` asks for, on this rank. A collective: every rank calls it.
-    `locked()` is called once this run holds its out-dir."""
-    config.check_batch_divides_early(env.world_size)
+def resolve(config: Config, layers: Layers, env: DistEnv, locked=lambda: None) -> Resolved:
+    """The run `config` asks for, on this rank; `layers`: what each layer of it gave. A
+    collective: every rank calls it. `locked()` is called once this run holds its out-dir."""
+    check_batch_divides_early(config, layers, env.world_size)
     check_offload_clipping(config, env)
     out_dir = Path(config.out_dir)
     if not config.evaluate:  # one run per out-dir, before anything reads or writes it
@@ -81,12 +80,14 @@ def resolve(config: Config, env: DistEnv, locked=lambda: None) -> Resolved:
         env, lambda: find_resume(config.resume, out_dir, config.evaluate, lambda w: warn(env, w))
     )
     # --verify-images, --bad-images skip: of DATA as given or as the resumed run's
-    data = config.data
+    data = config.data.root
     if data is None and resume is not None and config.checks_images:
         data = from_rank0(env, lambda: saved_data(resume))
-    checked = dataclasses.replace(config, data=data)
+    checked = config.replace(data=data)
     leave_out = images_to_leave_out(checked, env, say, counting)
-    resolved = agree(env, lambda: _resolve_here(config, env, out_dir, seed, resume, leave_out))
+    resolved = agree(
+        env, lambda: _resolve_here(config, layers, env, out_dir, seed, resume, leave_out)
+    )
     if resolved.config.seed is not None:
         seed_everything(resolved.config.seed, env)
     return resolved
@@ -94,6 +95,7 @@ def resolve(config: Config, env: DistEnv, locked=lambda: None) -> Resolved:
 
 def _resolve_here(
     config: Config,
+    layers: Layers,
     env: DistEnv,
     out_dir: Path,
     seed: int,
@@ -106,17 +108,18 @@ def _resolve_here(
     saved = None if resume is None else load_resumed(resume)
     if saved is not None:
         seed = int(saved.get("data_seed", seed))
-        given, config = config, resumed(config, saved.get("config"))
+        given, config = config, resumed(config, layers, saved.get("config"))
         if not config.evaluate:  # evaluating another batch or other data is fine
             check_position(saved, config)
             check_same_leave_out(given, config, resume)
         check_offload_clipping(config, env)  # with the checkpoint's settings too
-    config = config.settled()
+    config = settled(config)
     config.check_batch_divides(env.world_size)  # -b is the checkpoint's unless given
     if config.tensorboard and not config.evaluate:  # eval writes no events
         require_tensorboard()  # on every rank, so that every rank stops when it is missing
-    kept = None if saved is None or config.evaluate else kept_seed(config, saved)
-    warnings = [line for line in [*inert_flags(config), kept] if line]
+    flags = layers.on_command_line
+    kept = None if saved is None or config.evaluate else kept_seed(config, saved, flags)
+    warnings = [line for line in [*inert_flags(config, flags), kept] if line]
     if saved is not None:
         done = TrainState.from_checkpoint(saved)
         notes = [

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ddptrain.config import MEMORY_SETTINGS, Config
+from ddptrain.config_layers import Layers
 from ddptrain.data.loaders import Data, build_data
 from ddptrain.distributed.collectives import agree, check_same
 from ddptrain.distributed.env import DistEnv, SpawnSlot, init_distributed, teardown_distributed
@@ -58,16 +59,20 @@ from ddptrain.train.preempt import StopRequests
 from ddptrain.train.schedule import fast_forward, no_warmup_warning
 
 
-def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
-    """Runs the configured job on this process. Importable: any launcher can call it."""
-    env = init_distributed(config, slot, say)
+def train(
+    config: Config, slot: SpawnSlot | None = None, layers: Layers | None = None
+) -> TrainState:
+    """Runs the configured job on this process. Importable: any launcher can call it. layers:
+    what each layer of the config gave (config_layers.merge); none, for a Config built in code."""
+    layers = layers or Layers()
+    env = init_distributed(config.launch, config.data.workers, slot, say)
     phases = Phases(env)
     try:
         # From here, not from the first step: a SIGTERM or SIGUSR1 while the data is listed
         # or the model built ends this rank with its line and tells the others (phases),
         # where the signal's default action killed it without a word.
         with StopRequests(env) as stop:
-            return _train(config, env, phases, stop)
+            return _train(config, layers, env, phases, stop)
     except BaseException as err:
         if peer_lost(err) and (stalled := phases.stalled()):
             err.add_note(stalled)  # which ranks did not arrive, and where they were
@@ -86,9 +91,11 @@ def train(config: Config, slot: SpawnSlot | None = None) -> TrainState:
         teardown_distributed()
 
 
-def _train(config: Config, env: DistEnv, phases: Phases, stop: StopRequests) -> TrainState:
+def _train(
+    config: Config, layers: Layers, env: DistEnv, phases: Phases, stop: StopRequests
+) -> TrainState:
     faults = Faults.asked(env.rank)  # the test suite's, None unless it asks
-    resolved = resolve(config, env, locked=faults.setup if faults else lambda: None)
+    resolved = resolve(config, layers, env, locked=faults.setup if faults else lambda: None)
     config = resolved.config
     run = _build(resolved, env, phases, stop, faults)
     state = run.state
@@ -120,7 +127,7 @@ def _build(
         lambda: build_data(config, env, resolved.source, resolved.seed, resolved.leave_out),
     )
     model = agree(env, lambda: _model(resolved, loaders, env))
-    precision = agree(env, lambda: resolve_precision(config, None, model, env.device))
+    precision = agree(env, lambda: _precision(config, model, env))
     reporter = agree(env, lambda: _reporter(resolved, env))
     for line in [*resolved.warnings, precision.warning, *loaders.warnings]:
         if line:
@@ -151,10 +158,10 @@ def _build(
         place=lambda built: precision.place(built, env.device),
     )
     steps_per_epoch = loaders.steps_per_epoch
-    optimizer, scheduler = build_optimizer(model, config, steps_per_epoch)
+    optimizer, scheduler = build_optimizer(model, config.optim, steps_per_epoch)
     _warn_up_front(config, env, model, optimizer, steps_per_epoch, reporter)
     twin = None if structure is None else fsdp.shard_twin(structure, env, **sharding)
-    ema = build_ema(unwrap(model), config, env, steps_per_epoch, averaged=twin)
+    ema = build_ema(unwrap(model), config.optim, env, steps_per_epoch, averaged=twin)
     summary = start_summary(
         config, env, loaders, precision, parameters, steps_per_epoch, resolved.resume
     )
@@ -195,7 +202,7 @@ def _build(
         precision=precision,
         checkpointer=None if config.evaluate else checkpointer,
         stop=stop,
-        criterion=build_criterion(config, loaders.num_classes),
+        criterion=build_criterion(config.optim, loaders.num_classes),
         ema=ema,
         phases=phases,
         profiler=_profiler(config, env, resolved.out_dir),
@@ -245,6 +252,13 @@ def _model(resolved: Resolved, loaders: Data, env: DistEnv) -> torch.nn.Module:
     return model
 
 
+def _precision(config: Config, model: torch.nn.Module, env: DistEnv) -> Precision:
+    seeded = config.optim.seed is not None
+    return resolve_precision(
+        config.model, None, model, env.device, image_size=config.data.image_size, seeded=seeded
+    )
+
+
 def _reporter(resolved: Resolved, env: DistEnv) -> Reporter:
     config = resolved.config
     done = TrainState.from_checkpoint(resolved.saved or {"epoch": config.start_epoch})
@@ -283,7 +297,7 @@ def _warn_up_front(config, env, model, optimizer, steps_per_epoch: int, reporter
         room = checkpoint_bytes(unwrap(model), optimizer)
         for line in (
             room_warning(out_dir, room, config.keep_last),
-            no_warmup_warning(config, steps_per_epoch),
+            no_warmup_warning(config.optim, steps_per_epoch),
         ):
             if line:
                 reporter.warn(line)

@@ -30,7 +30,7 @@ def fit(env, root, out_dir, resume=None):
     )  # fmt: skip
     loaders = build_data(config, env, open_source(config), seed=11)
     model = wrap(bn_free_model(), env, gpu_pinned=False)
-    optimizer, scheduler = build_optimizer(model, config)
+    optimizer, scheduler = build_optimizer(model, config.optim)
     meta = {"arch": "bn_free", "num_classes": 3, "class_to_idx": loaders.class_to_idx}
     meta["config"] = config.to_dict()
     parts = training_parts(unwrap(model), optimizer, scheduler, env)

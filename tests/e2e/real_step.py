@@ -53,12 +53,19 @@ def measure(
         opt=opt, model_ema=model_ema, model_ema_steps=1, accum_steps=accum_steps,
     )  # fmt: skip
     model = build_model(arch, num_classes, image_size, pretrained=False)
-    precision = resolve_precision(config, None, model, device)
+    precision = resolve_precision(
+        config.model,
+        None,
+        model,
+        device,
+        image_size=config.data.image_size,
+        seeded=config.optim.seed is not None,
+    )
     model = DistributedDataParallel(precision.place(model, device), gradient_as_bucket_view=True)
     blank = torch.zeros(2, 3, image_size, image_size, dtype=torch.uint8)
     lay_out_buckets(model, precision.inputs(blank, device), None)
-    optimizer, _ = build_optimizer(model, config)
-    ema = build_ema(model.module, config, DistEnv(0, 1, 0, 1, device), steps_per_epoch=1)
+    optimizer, _ = build_optimizer(model, config.optim)
+    ema = build_ema(model.module, config.optim, DistEnv(0, 1, 0, 1, device), steps_per_epoch=1)
     averaged = [] if ema is None else [ema.module]
     shape = (per_rank_batch, 3, image_size, image_size)
     images = precision.inputs(torch.randint(0, 256, shape, dtype=torch.uint8), device)

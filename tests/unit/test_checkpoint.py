@@ -40,7 +40,7 @@ ONE = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=tor
 def trained_model():
     torch.manual_seed(0)
     model = torchvision.models.get_model("resnet18", num_classes=3)
-    optimizer, scheduler = build_optimizer(model, Config(lr=0.1))
+    optimizer, scheduler = build_optimizer(model, Config(lr=0.1).optim)
     loss = model(torch.randn(4, 3, 32, 32)).logsumexp(1).mean()
     loss.backward()
     optimizer.step()
@@ -72,7 +72,7 @@ def test_round_trip_restores_weights_optimizer_schedule_and_state(tmp_path):
     assert saved["format_version"] == FORMAT_VERSION
     assert (tmp_path / "model_best.pt").read_bytes() == (tmp_path / "checkpoint.pt").read_bytes()
     fresh = torchvision.models.get_model("resnet18", num_classes=3)
-    fresh_opt, fresh_sched = build_optimizer(fresh, Config(lr=0.1))
+    fresh_opt, fresh_sched = build_optimizer(fresh, Config(lr=0.1).optim)
     saved = files.load(tmp_path / "checkpoint.pt")
     restored = checkpointer(tmp_path, fresh, fresh_opt, fresh_sched).restore(saved)
 
@@ -392,7 +392,7 @@ def test_the_gradient_scaler_is_saved_and_restored(tmp_path):
     files.save(tmp_path, payload, False, keep_last=2)
 
     fresh = torchvision.models.get_model("resnet18", num_classes=3)
-    fresh_opt, fresh_sched = build_optimizer(fresh, Config(lr=0.1))
+    fresh_opt, fresh_sched = build_optimizer(fresh, Config(lr=0.1).optim)
     fresh_scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1)
     saved = files.load(tmp_path / "checkpoint.pt")
     checkpointer(tmp_path, fresh, fresh_opt, fresh_sched, fresh_scaler).restore(saved)
@@ -463,18 +463,18 @@ def test_a_resume_asks_for_the_flags_that_left_images_out(tmp_path):
         ([], "--bad-images skip"),
         (["--bad-images", "skip"], "--max-image-pixels 500"),
     ]:
-        _, given = cli.parse(["train", str(tmp_path), *argv])
+        _, (given, layers) = cli.parse(["train", str(tmp_path), *argv])
         with pytest.raises(UserError, match=f"trained with {flag}: give it again"):
-            check_same_leave_out(given, resumed(given, skipped), tmp_path)
+            check_same_leave_out(given, resumed(given, layers, skipped), tmp_path)
     argv = ["--bad-images", "skip", "--max-image-pixels", "500"]
-    _, given = cli.parse(["train", str(tmp_path), *argv])
-    check_same_leave_out(given, resumed(given, skipped), tmp_path)
+    _, (given, layers) = cli.parse(["train", str(tmp_path), *argv])
+    check_same_leave_out(given, resumed(given, layers, skipped), tmp_path)
     # Nothing left out: the loaders take the checkpoint's settings, and nothing is asked.
     checked = Config(verify_images=True, max_image_pixels=500).to_dict()
-    _, given = cli.parse(["train", str(tmp_path)])
-    check_same_leave_out(given, resumed(given, checked), tmp_path)
-    _, given = cli.parse(["train"])  # the built-in data set is not checked
-    check_same_leave_out(given, resumed(given, skipped), tmp_path)
+    _, (given, layers) = cli.parse(["train", str(tmp_path)])
+    check_same_leave_out(given, resumed(given, layers, checked), tmp_path)
+    _, (given, layers) = cli.parse(["train"])  # the built-in data set is not checked
+    check_same_leave_out(given, resumed(given, layers, skipped), tmp_path)
 
 
 def test_a_config_json_that_is_not_ddptrains_is_refused_not_overwritten(tmp_path):

@@ -1,7 +1,11 @@
+import subprocess
+import sys
+
 import pytest
 
 from ddptrain.cli import parse
 from ddptrain.config import Config
+from ddptrain.config_layers import Layers, check_batch_divides_early
 from ddptrain.errors import UserError
 
 
@@ -64,6 +68,26 @@ def test_contradictions_are_refused():
         Config(nproc_per_node=2)
 
 
+def test_mistakes_are_named_before_torchvision_is_imported_for_the_arch_check():
+    """Its list of architectures takes seconds to import: a mistake in another setting, or in
+    how settings combine, is named without waiting for it."""
+    script = (
+        "import sys\n"
+        "from ddptrain.config import Config\n"
+        "from ddptrain.errors import UserError\n"
+        "for flat in ({'lr': -1.0}, {'evaluate': True}, {'fsdp_offload': True}):\n"
+        "    try:\n"
+        "        Config(**flat)\n"
+        "    except UserError:\n"
+        "        pass\n"
+        "print('torchvision' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.strip() == "False", done.stderr
+
+
 def test_batch_must_divide_the_world():
     Config(batch_size=8).check_batch_divides(4)
     with pytest.raises(UserError, match="--batch-size 6 .* 4 ranks"):
@@ -74,7 +98,7 @@ def test_batch_must_divide_the_world():
 
 
 def test_cli_maps_the_classic_flags():
-    command, c = parse(
+    command, (c, _) = parse(
         [
             "train",
             "/d",
@@ -105,7 +129,7 @@ def test_cli_maps_the_classic_flags():
         ]
     )
     assert command == "train"
-    assert (c.data, c.arch, c.workers, c.batch_size, c.lr, c.weight_decay) == (
+    assert (c.data.root, c.arch, c.workers, c.batch_size, c.lr, c.weight_decay) == (
         "/d",
         "resnet34",
         2,
@@ -117,14 +141,14 @@ def test_cli_maps_the_classic_flags():
 
 
 def test_cli_accepts_local_rank_where_torch_distributed_launch_puts_it():
-    _, c = parse(["--local-rank=1", "train", "/d"])
+    _, (c, _) = parse(["--local-rank=1", "train", "/d"])
     assert c.local_rank == 1
-    _, c = parse(["train", "/d", "--local_rank", "0"])
+    _, (c, _) = parse(["train", "/d", "--local_rank", "0"])
     assert c.local_rank == 0
 
 
 def test_eval_is_train_evaluate():
-    _, c = parse(["eval", "/d", "--resume", "ckpt.pt"])
+    _, (c, _) = parse(["eval", "/d", "--resume", "ckpt.pt"])
     assert c.evaluate and c.resume == "ckpt.pt"
 
 
@@ -134,9 +158,9 @@ def test_synth_command():
 
 
 def test_precision_flags():
-    _, c = parse(["train", "--amp", "bf16", "--no-channels-last", "--compile"])
+    _, (c, _) = parse(["train", "--amp", "bf16", "--no-channels-last", "--compile"])
     assert (c.amp, c.channels_last, c.compile) == ("bf16", False, True)
-    _, c = parse(["train"])
+    _, (c, _) = parse(["train"])
     assert (c.amp, c.channels_last, c.compile) == (None, None, None)  # resolved at run time
 
 
@@ -181,15 +205,15 @@ def test_empty_paths():
     # --resume "" is none, as the classic example's `if args.resume:` reads it (a script's
     # --resume "$CKPT" with CKPT unset); an empty --out-dir or DATA would be the current
     # directory, unsaid.
-    assert parse(["train", "--resume", ""])[1].resume is None
-    assert parse(["train", "--resume", "auto"])[1].resume == "auto"
+    assert parse(["train", "--resume", ""])[1][0].resume is None
+    assert parse(["train", "--resume", "auto"])[1][0].resume == "auto"
     for args, flag in ((["train", "--out-dir", ""], "--out-dir"), (["train", " "], "DATA")):
         with pytest.raises(UserError, match=f"^{flag}: the path is empty$"):
             parse(args)
 
 
 def test_the_recipe_flags_parse():
-    _, c = parse(
+    _, (c, _) = parse(
         [
             "train",
             "--crop-scale",
@@ -211,7 +235,7 @@ def test_the_recipe_flags_parse():
     )
     assert (c.crop_scale, c.hflip, c.auto_augment) == ((0.25, 1.0), 0.0, "ra")
     assert (c.lr_milestones, c.model_ema, c.val_resize) == ((30, 60), True, 40)
-    assert parse(["train", "--model-ema", "--no-model-ema"])[1].model_ema is False
+    assert parse(["train", "--model-ema", "--no-model-ema"])[1][0].model_ema is False
 
 
 @pytest.mark.parametrize(
@@ -225,7 +249,7 @@ def test_the_recipe_flags_parse():
 def test_ddp_communication_flags_are_refused_under_fsdp(flags, named):
     with pytest.raises(UserError, match=f"{named} goes with --strategy ddp"):
         parse(["train", "--strategy", "fsdp", *flags])
-    _, config = parse(["train", *flags])  # and taken under ddp
+    _, (config, _) = parse(["train", *flags])  # and taken under ddp
     assert config.strategy == "ddp"
 
 
@@ -247,9 +271,9 @@ def test_a_number_that_is_not_finite_is_refused(flags):
 def test_the_early_batch_check_waits_for_a_checkpoints_own_batch():
     """Resumed without -b, the checkpoint's -b is the one to divide (checked once merged):
     the default 256 refused a run trained with -b 6 on 3 ranks."""
-    Config(resume="auto").check_batch_divides_early(3)
+    check_batch_divides_early(Config(resume="auto"), Layers(), 3)
     with pytest.raises(UserError, match="--batch-size 256"):
-        Config().check_batch_divides_early(3)
-    given = frozenset({"batch_size", "accum_steps"})
+        check_batch_divides_early(Config(), Layers(), 3)
+    given = Layers(given=frozenset({"batch_size", "accum_steps"}))
     with pytest.raises(UserError, match="--batch-size 256"):
-        Config(resume="auto", given=given).check_batch_divides_early(3)
+        check_batch_divides_early(Config(resume="auto"), given, 3)

@@ -9,7 +9,7 @@ from torch import nn
 
 from ddptrain.cli import parse
 from ddptrain.config import _ACTS_ONLY_WITH, Config, inert_flags, settings
-from ddptrain.config_layers import merge, read, recipes, resumed
+from ddptrain.config_layers import Layers, Unsettled, merge, read, recipes, resumed, settled
 from ddptrain.errors import UserError
 from ddptrain.model.precision import resolve_precision
 from ddptrain.state.resume import kept_seed
@@ -22,30 +22,33 @@ def write(tmp_path, text, name="run.toml"):
 
 
 def test_argparse_leaves_out_what_was_not_given():
-    _, c = parse(["train"])
-    assert c == Config() and c.given == frozenset()
-    _, c = parse(["train", "/d", "--lr", "0.1", "-b", "256"])  # defaults, given explicitly
-    assert c.given == {"data", "lr", "batch_size"}
+    _, (c, layers) = parse(["train"])
+    assert c == Config() and layers.given == frozenset()
+    _, (c, layers) = parse(
+        ["train", "/d", "--lr", "0.1", "-b", "256"]
+    )  # defaults, given explicitly
+    assert layers.given == {"data", "lr", "batch_size"}
 
 
 def test_each_layer_wins_over_the_one_below(tmp_path):
     file = write(tmp_path, 'epochs = 5\nlr = 0.3\nauto-augment = "ta_wide"\n')
-    _, c = parse(["train", "--config", file, "--lr", "0.2"])
+    _, (c, layers) = parse(["train", "--config", file, "--lr", "0.2"])
     assert (c.epochs, c.lr, c.auto_augment, c.batch_size) == (5, 0.2, "ta_wide", 256)
     saved = {**Config(epochs=9, lr=0.7, momentum=0.5, amp="bf16").to_dict(), "batch_size": 64}
-    r = resumed(c, saved)
+    r = resumed(c, layers, saved)
     # flags and the file beat the checkpoint; the checkpoint beats the defaults
     assert (r.epochs, r.lr, r.auto_augment) == (5, 0.2, "ta_wide")
     assert (r.momentum, r.amp, r.batch_size) == (0.5, "bf16", 64)
-    assert r.given == c.given
+    given = {name: c.to_dict()[name] for name in layers.given}
+    assert {name: r.to_dict()[name] for name in layers.given} == given
 
 
 def test_an_explicit_default_beats_the_checkpoint():
-    _, c = parse(["train", "--amp", "none", "--channels-last"])
-    r = resumed(c, Config(amp="bf16", channels_last=False, compile=True).to_dict())
+    _, (c, layers) = parse(["train", "--amp", "none", "--channels-last"])
+    r = resumed(c, layers, Config(amp="bf16", channels_last=False, compile=True).to_dict())
     assert (r.amp, r.channels_last, r.compile) == ("none", True, True)
-    _, c = parse(["train"])
-    assert resumed(c, None) is c
+    _, (c, layers) = parse(["train"])
+    assert resumed(c, layers, None) is c
 
 
 def test_a_checkpoint_never_says_where_or_how_to_run():
@@ -59,7 +62,7 @@ def test_a_checkpoint_never_says_where_or_how_to_run():
         device="cuda",
         epochs=12,
     ).to_dict()
-    r = resumed(Config(given=frozenset()), {**saved, "a_key_from_another_version": 1})
+    r = resumed(Config(), Layers(), {**saved, "a_key_from_another_version": 1})
     assert r.epochs == 12
     assert (r.resume, r.out_dir, r.workers, r.world_size, r.rank) == (None, ".", 4, -1, -1)
     assert (r.multiprocessing_distributed, r.device) == (False, "auto")
@@ -69,15 +72,15 @@ def test_lr_and_lr_base_are_one_setting(tmp_path):
     with pytest.raises(UserError, match="--lr and --lr-base"):
         parse(["train", "--lr", "0.1", "--lr-base", "0.1"])
     file = write(tmp_path, "lr = 0.5\n")
-    _, c = parse(["train", "--config", file, "--lr-base", "0.2"])
+    _, (c, _) = parse(["train", "--config", file, "--lr-base", "0.2"])
     assert c.lr_base == 0.2 and c.lr == Config().lr
     file = write(tmp_path, "lr-base = 0.2\n")
-    _, c = parse(["train", "--config", file, "--lr", "0.05"])
+    _, (c, _) = parse(["train", "--config", file, "--lr", "0.05"])
     assert c.lr == 0.05 and c.lr_base is None
     # a checkpoint that scaled its LR keeps doing so, unless --lr is given
     saved = Config(lr_base=0.4, batch_size=512).to_dict()
-    assert resumed(parse(["train"])[1], saved).lr_base == 0.4
-    r = resumed(parse(["train", "--lr", "0.01"])[1], saved)
+    assert resumed(*parse(["train"])[1], saved).lr_base == 0.4
+    r = resumed(*parse(["train", "--lr", "0.01"])[1], saved)
     assert (r.lr, r.lr_base) == (0.01, None)
     both = write(tmp_path, "lr = 0.1\nlr-base = 0.1\n")
     with pytest.raises(UserError, match=f"--config {both}: --lr and --lr-base"):
@@ -153,8 +156,14 @@ def test_config_json_feeds_back_without_resolved_or_invocation_settings(tmp_path
     )
     saved = {**record.to_dict(), "resolved": {"world_size": 2, "per_rank_batch": 128}}
     file = write(tmp_path, json.dumps(saved), "config.json")
-    _, c = parse(["train", "--config", file, "--out-dir", "runs/b"])
-    assert (c.data, c.epochs, c.lr_base, c.hflip, c.crop_scale) == ("/data", 3, 0.2, 0.0, (0.3, 1))
+    _, (c, _) = parse(["train", "--config", file, "--out-dir", "runs/b"])
+    assert (c.data.root, c.epochs, c.lr_base, c.hflip, c.crop_scale) == (
+        "/data",
+        3,
+        0.2,
+        0.0,
+        (0.3, 1),
+    )
     assert c.out_dir == "runs/b"
     assert c.to_dict() == {**record.to_dict(), "out_dir": "runs/b"}
     with pytest.raises(UserError, match="unknown key 'surprise'"):
@@ -163,9 +172,9 @@ def test_config_json_feeds_back_without_resolved_or_invocation_settings(tmp_path
 
 def test_shipped_recipes_parse_and_classic_is_the_defaults():
     assert recipes() == ["classic", "resnet50-torchvision", "small-images"]
-    _, classic = parse(["train", "/data", "--config", "recipe:classic"])
+    _, (classic, _) = parse(["train", "/data", "--config", "recipe:classic"])
     assert classic == Config(data="/data")
-    _, r50 = parse(["train", "/data", "--config", "recipe:resnet50-torchvision"])
+    _, (r50, _) = parse(["train", "/data", "--config", "recipe:resnet50-torchvision"])
     assert (r50.arch, r50.batch_size, r50.lr, r50.epochs, r50.image_size) == (
         "resnet50",
         1024,
@@ -179,18 +188,18 @@ def test_shipped_recipes_parse_and_classic_is_the_defaults():
         True,
         "cosine",
     )
-    _, small = parse(["train", "--config", "recipe:small-images", "--epochs", "10"])
+    _, (small, _) = parse(["train", "--config", "recipe:small-images", "--epochs", "10"])
     assert small.hflip == 0.0 and small.lr_base is not None and small.model_ema
 
 
 def test_eval_shares_the_flags_and_the_files(tmp_path):
     file = write(tmp_path, "image-size = 64\n")
-    _, c = parse(["eval", "/d", "--resume", "ckpt.pt", "--config", file, "--val-crop", "60"])
+    _, (c, _) = parse(["eval", "/d", "--resume", "ckpt.pt", "--config", file, "--val-crop", "60"])
     assert c.evaluate and (c.image_size, c.val_crop) == (64, 60)
 
 
 def test_merge_is_usable_without_the_cli():
-    c = merge({"lr": 0.2}, file={"epochs": 3}, saved={"epochs": 7, "momentum": 0.1})
+    c, _ = merge({"lr": 0.2}, file={"epochs": 3}, saved={"epochs": 7, "momentum": 0.1})
     assert (c.lr, c.epochs, c.momentum) == (0.2, 3, 0.1)
 
 
@@ -211,66 +220,80 @@ def test_the_checkpoint_layer_replaces_resolve_precisions_own_fallback(flags, sa
     config already holds the checkpoint's settings, and resolve_precision(config, None) agrees."""
     convnet = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
     cpu = torch.device("cpu")
-    _, config = parse(["train", *flags])
+    _, (config, layers) = parse(["train", *flags])
     saved_config = None if saved is None else {**Config().to_dict(), **saved}
-    today = resolve_precision(config, saved_config, convnet, cpu).settings()
-    merged = resolve_precision(resumed(config, saved_config), None, convnet, cpu).settings()
+
+    def settings_of(config, saved_config):
+        size, seeded = config.data.image_size, config.optim.seed is not None
+        resolved = resolve_precision(
+            config.model, saved_config, convnet, cpu, image_size=size, seeded=seeded
+        )
+        return resolved.settings()
+
+    today = settings_of(config, saved_config)
+    merged = settings_of(resumed(config, layers, saved_config), None)
     assert merged == today
 
 
 def test_flags_that_act_on_nothing_are_named_once_the_checkpoint_settings_are_in(tmp_path):
-    _, c = parse(["train", "--opt", "adamw", "--momentum", "0.5", "--lr-min", "0.01"])
-    assert inert_flags(c) == [
+    _, (c, layers) = parse(["train", "--opt", "adamw", "--momentum", "0.5", "--lr-min", "0.01"])
+    flags = layers.on_command_line
+    assert inert_flags(c, flags) == [
         "--momentum does nothing in this run: it acts only with --opt sgd or sgd-nesterov",
         "--lr-min does nothing in this run: it acts only with --lr-scheduler cosine",
     ]
     cosine = {**Config().to_dict(), "lr_scheduler": "cosine"}
-    assert inert_flags(resumed(c, cosine)) == [inert_flags(c)[0]]  # the run it resumes is cosine
+    # the run it resumes is cosine
+    assert inert_flags(resumed(c, layers, cosine), flags) == [inert_flags(c, flags)[0]]
     file = write(tmp_path, "lr-min = 0.01\nmodel-ema-decay = 0.99\n")  # a file's are not named
-    _, from_file = parse(["train", "--config", file, "--lr-warmup-decay", "0.1"])
-    assert inert_flags(from_file) == [
+    _, (from_file, layers) = parse(["train", "--config", file, "--lr-warmup-decay", "0.1"])
+    flags = layers.on_command_line
+    assert inert_flags(from_file, flags) == [
         "--lr-warmup-decay does nothing in this run: it acts only with --lr-warmup-epochs above 0"
     ]
-    assert inert_flags(resumed(from_file, cosine)) == inert_flags(from_file)
-    _, acting = parse(
+    assert inert_flags(resumed(from_file, layers, cosine), flags) == inert_flags(from_file, flags)
+    _, (acting, layers) = parse(
         ["train", "--lr-scheduler", "multistep", "--lr-milestones", "2", "--lr-gamma", "0.5"]
     )
-    assert inert_flags(acting) == []
+    assert inert_flags(acting, layers.on_command_line) == []
 
 
 def test_the_flags_watched_for_acting_on_nothing_are_settings():
-    assert set(_ACTS_ONLY_WITH) <= {f.name for f in settings()}
+    assert set(_ACTS_ONLY_WITH) <= set(settings())
 
 
 def test_a_seed_given_on_resume_is_named_where_the_run_keeps_another():
     saved = {"config": Config(seed=0).to_dict(), "data_seed": 0}
-    _, other = parse(["train", "--seed", "5"])
-    assert kept_seed(resumed(other, saved["config"]), saved) == (
+
+    def kept(config, layers):
+        return kept_seed(resumed(config, layers, saved["config"]), saved, layers.on_command_line)
+
+    assert kept(*parse(["train", "--seed", "5"])[1]) == (
         "--seed 5 does not reseed a resumed run: it keeps its data seed 0 (sample order, "
         "augmentation) and its random states, to continue exactly"
     )
-    _, same = parse(["train", "--seed", "0"])  # the command that started it, run again
-    assert kept_seed(resumed(same, saved["config"]), saved) is None
-    _, none = parse(["train"])
-    assert kept_seed(resumed(none, saved["config"]), saved) is None
-    from_file = Config(seed=5, given=frozenset({"seed"}))  # as inert_flags: flags alone
-    assert kept_seed(resumed(from_file, saved["config"]), saved) is None
+    # the command that started it, run again
+    assert kept(*parse(["train", "--seed", "0"])[1]) is None
+    assert kept(*parse(["train"])[1]) is None
+    from_file = Layers(given=frozenset({"seed"}))  # as inert_flags: flags alone
+    assert kept(Config(seed=5), from_file) is None
 
 
 def test_settings_checked_against_each_other_wait_for_the_checkpoints():
     """The layers are defaults < checkpoint < file < flags: `--fsdp-offload` resuming an fsdp
     run was refused against the default --strategy ddp, before the checkpoint's was in."""
     flags = ["train", "--resume", "run/checkpoint.pt", "--fsdp-offload", "--val-resize", "20"]
-    _, waiting = parse(flags)
-    assert waiting.checkpoint_pending and "checkpoint_pending" not in waiting.to_dict()
+    _, (waiting, layers) = parse(flags)
+    assert isinstance(waiting, Unsettled) and list(waiting.to_dict()) == list(settings())
+    assert isinstance(waiting.replace(data="/d"), Unsettled)  # run.py's image check takes one
     fsdp_16px = {**Config().to_dict(), "strategy": "fsdp", "image_size": 16}
-    merged = resumed(waiting, fsdp_16px)
-    assert not merged.checkpoint_pending and merged.fsdp_offload and merged.val_resize == 20
-    assert merged.settled() is merged
+    merged = resumed(waiting, layers, fsdp_16px)
+    assert type(merged) is Config and merged.fsdp_offload and merged.val_resize == 20
+    assert settled(merged) is merged
     with pytest.raises(UserError, match="--fsdp-offload goes with --strategy fsdp"):
-        resumed(waiting, {**fsdp_16px, "strategy": "ddp"})
+        resumed(waiting, layers, {**fsdp_16px, "strategy": "ddp"})
     with pytest.raises(UserError, match="--fsdp-offload goes with --strategy fsdp"):
-        waiting.settled()  # no checkpoint found (--resume auto): the defaults stay
+        settled(waiting)  # no checkpoint found (--resume auto): the defaults stay
     with pytest.raises(UserError, match="--fsdp-offload goes with --strategy fsdp"):
         parse(["train", "--fsdp-offload"])  # nothing to wait for
     with pytest.raises(UserError, match="--lr-milestones must rise"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddptrain.config import Config
+from ddptrain.config import LaunchSettings
 from ddptrain.distributed import env, launch, ports
 from ddptrain.distributed.env import (
     SpawnSlot,
@@ -50,31 +50,31 @@ def no_launcher(monkeypatch):
 
 
 def test_single_process():
-    assert _placement(Config(), None) == (0, 1, 0, 1, "env://")
+    assert _placement(LaunchSettings(), None) == (0, 1, 0, 1, "env://")
 
 
 def test_torchrun_variables_give_each_rank_its_local_device(monkeypatch):
     for name, value in dict(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4").items():
         monkeypatch.setenv(name, value)
-    assert _placement(Config(), None) == (5, 8, 1, 4, "env://")
+    assert _placement(LaunchSettings(), None) == (5, 8, 1, 4, "env://")
 
 
 def test_torch_distributed_launch_local_rank_flag(monkeypatch):
     monkeypatch.setenv("RANK", "3")  # global rank 3 of 4, local rank 1 on its node
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert _placement(Config(local_rank=1), None)[:3] == (3, 4, 1)
+    assert _placement(LaunchSettings(local_rank=1), None)[:3] == (3, 4, 1)
 
 
 def test_spawn_slot_counts_nodes_and_local_processes():
     slot = SpawnSlot(local_rank=2, nproc_per_node=4, node_rank=1, nodes=2, dist_url="tcp://h:1")
-    assert _placement(Config(), slot) == (6, 8, 2, 4, "tcp://h:1")
+    assert _placement(LaunchSettings(), slot) == (6, 8, 2, 4, "tcp://h:1")
 
 
 def test_tcp_invocations():
-    config = Config(world_size=2, rank=1, dist_url="tcp://127.0.0.1:5")
+    config = LaunchSettings(world_size=2, rank=1, dist_url="tcp://127.0.0.1:5")
     assert _placement(config, None) == (1, 2, 1, 1, "tcp://127.0.0.1:5")
     with pytest.raises(UserError, match="--rank"):
-        _placement(Config(world_size=2, dist_url="tcp://127.0.0.1:5"), None)
+        _placement(LaunchSettings(world_size=2, dist_url="tcp://127.0.0.1:5"), None)
 
 
 def test_tcp_rank_takes_the_device_of_its_place_on_the_node():
@@ -89,55 +89,55 @@ def test_tcp_rank_takes_the_device_of_its_place_on_the_node():
 def test_tcp_placement_reads_local_rank_and_local_world_size(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    config = Config(world_size=4, rank=3, dist_url="tcp://127.0.0.1:5")
+    config = LaunchSettings(world_size=4, rank=3, dist_url="tcp://127.0.0.1:5")
     assert _placement(config, None) == (3, 4, 1, 2, "tcp://127.0.0.1:5")
 
 
 def test_incomplete_launcher_environments(monkeypatch):
     with pytest.raises(UserError, match="MASTER_ADDR"):
-        _placement(Config(world_size=2, rank=0), None)
+        _placement(LaunchSettings(world_size=2, rank=0), None)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match="RANK"):
-        _placement(Config(), None)
+        _placement(LaunchSettings(), None)
 
 
 def test_devices():
-    assert _device(Config(no_accel=True), 3) == torch.device("cpu")
-    assert _device(Config(device="cpu"), 0) == torch.device("cpu")
+    assert _device(LaunchSettings(no_accel=True), 3) == torch.device("cpu")
+    assert _device(LaunchSettings(device="cpu"), 0) == torch.device("cpu")
     if not torch.cuda.is_available():
-        assert _device(Config(), 0) == torch.device("cpu")
+        assert _device(LaunchSettings(), 0) == torch.device("cpu")
         with pytest.raises(UserError, match="--device cuda"):
-            _device(Config(device="cuda"), 0)
+            _device(LaunchSettings(device="cuda"), 0)
 
 
 def test_backend_follows_the_device():
     cpu = torch.device("cpu")
-    assert _backend(Config(), cpu) == "gloo"
+    assert _backend(LaunchSettings(), cpu) == "gloo"
     with pytest.raises(UserError, match="nccl"):
-        _backend(Config(dist_backend="nccl"), cpu)
+        _backend(LaunchSettings(dist_backend="nccl"), cpu)
 
 
 def test_gpu_pin_is_refused_with_several_local_ranks(monkeypatch):
     for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2").items():
         monkeypatch.setenv(name, value)
     with pytest.raises(UserError, match="--gpu 0 would put all 2 processes"):
-        init_distributed(Config(gpu=0))
+        init_distributed(LaunchSettings(gpu=0), workers=4)
 
 
 def test_a_process_started_on_its_own_may_pin_its_device(monkeypatch):
     """The classic example's one process per invocation, each with its own --gpu: only the
     device itself can refuse it (on a machine without one, here)."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    config = Config(gpu=1, world_size=2, rank=1, dist_url=f"tcp://127.0.0.1:{free_port()}")
+    config = LaunchSettings(gpu=1, world_size=2, rank=1, dist_url=f"tcp://127.0.0.1:{free_port()}")
     monkeypatch.setattr(env, "_tcp_store", lambda *args: None)  # no rank 0 to meet
     with pytest.raises(UserError, match="--gpu 1: no accelerator"):
-        init_distributed(config)
+        init_distributed(config, workers=4)
 
 
 def test_a_gpu_pin_without_an_accelerator_is_refused():
     if torch.accelerator.current_accelerator(check_available=True) is None:
         with pytest.raises(UserError, match="--gpu 0: no accelerator is available here"):
-            _device(Config(gpu=0), 0)
+            _device(LaunchSettings(gpu=0), 0)
 
 
 @pytest.mark.parametrize(
@@ -151,8 +151,8 @@ def test_a_launched_process_given_a_tcp_url_is_refused_not_trained_alone(monkeyp
     for name, value in launcher.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(UserError, match="drop --dist-url"):
-        _placement(Config(dist_url="tcp://127.0.0.1:5"), None)
-    both = Config(dist_url="tcp://127.0.0.1:5", world_size=2, rank=1)  # said in full: kept
+        _placement(LaunchSettings(dist_url="tcp://127.0.0.1:5"), None)
+    both = LaunchSettings(dist_url="tcp://127.0.0.1:5", world_size=2, rank=1)  # said in full: kept
     assert _placement(both, None)[:2] == (1, 2)
 
 
@@ -167,13 +167,13 @@ def test_srun_tasks_meet_on_the_first_host_of_the_nodelist(monkeypatch):
     )
     for name, value in srun.items():
         monkeypatch.setenv(name, value)
-    assert _placement(Config(), None) == (5, 8, 1, 4, "tcp://gpu07:16242")
+    assert _placement(LaunchSettings(), None) == (5, 8, 1, 4, "tcp://gpu07:16242")
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    assert _placement(Config(), None)[4] == "tcp://10.0.0.1:29500"
+    assert _placement(LaunchSettings(), None)[4] == "tcp://10.0.0.1:29500"
     monkeypatch.setenv("WORLD_SIZE", "8")  # srun running torchrun: torchrun's variables win
     monkeypatch.setenv("RANK", "2")
-    assert _placement(Config(), None)[:2] == (2, 8)
+    assert _placement(LaunchSettings(), None)[:2] == (2, 8)
 
 
 def test_the_meeting_counts_the_ranks_on_this_host():
@@ -209,15 +209,16 @@ def test_restarts_across_nodes_are_warned_of_on_rank_0_only(monkeypatch, capsys)
 def test_multiprocessing_distributed_reads_nodes_as_the_classic_example_does(monkeypatch):
     """Under env://, WORLD_SIZE and RANK are the node count and this node's rank, when
     --world-size and --rank do not say them (a scheduler that exports them for each node)."""
-    assert launch._nodes(Config()) == (1, 0)
+    assert launch._nodes(LaunchSettings()) == (1, 0)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    assert launch._nodes(Config()) == (2, 1)
-    assert launch._nodes(Config(world_size=3, rank=2)) == (3, 2)  # the flags win
-    assert launch._nodes(Config(dist_url="tcp://h:5")) == (1, 0)  # a URL of its own: flags only
+    assert launch._nodes(LaunchSettings()) == (2, 1)
+    assert launch._nodes(LaunchSettings(world_size=3, rank=2)) == (3, 2)  # the flags win
+    # a URL of its own: flags only
+    assert launch._nodes(LaunchSettings(dist_url="tcp://h:5")) == (1, 0)
     monkeypatch.delenv("RANK")
     with pytest.raises(UserError, match="needs --rank"):
-        launch._nodes(Config())
+        launch._nodes(LaunchSettings())
 
 
 def test_a_free_port_is_drawn_above_the_ephemeral_range_whatever_the_seed():

@@ -101,7 +101,7 @@ def saved(ema) -> dict:
 def test_checkpoint_round_trip_continues_bitwise():
     config = Config(model_ema=True, model_ema_decay=0.95, model_ema_steps=2)
     model = net()
-    uninterrupted = build_ema(model, config, ONE, steps_per_epoch=10)
+    uninterrupted = build_ema(model, config.optim, ONE, steps_per_epoch=10)
     for step in range(1, 8):
         train_step(model, step)
         uninterrupted.update(model, step)
@@ -110,7 +110,7 @@ def test_checkpoint_round_trip_continues_bitwise():
             weights = {k: v.clone() for k, v in model.state_dict().items()}
     resumed_model = net(seed=1)
     resumed_model.load_state_dict(weights)
-    resumed = build_ema(net(seed=2), config, ONE, steps_per_epoch=10)
+    resumed = build_ema(net(seed=2), config.optim, ONE, steps_per_epoch=10)
     resumed.load_state_dict(state)
     for step in range(6, 8):
         train_step(resumed_model, step)
@@ -128,8 +128,10 @@ def test_its_state_is_a_plain_model_state_dict():
 
 
 def test_off_by_default():
-    assert build_ema(net(), Config(), ONE, steps_per_epoch=5) is None
-    ema = build_ema(net(), Config(model_ema=True, lr_warmup_epochs=1.5), ONE, steps_per_epoch=4)
+    assert build_ema(net(), Config().optim, ONE, steps_per_epoch=5) is None
+    ema = build_ema(
+        net(), Config(model_ema=True, lr_warmup_epochs=1.5).optim, ONE, steps_per_epoch=4
+    )
     assert (ema.every, ema.warmup_steps) == (32, 6)
 
 
@@ -149,7 +151,7 @@ def test_a_short_run_s_average_follows_the_model_not_its_first_weights():
     still hold mostly the first weights."""
     config = Config(model_ema=True, model_ema_decay=0.998, model_ema_steps=1)
     model = net()
-    ema = build_ema(model, config, ONE, steps_per_epoch=20)
+    ema = build_ema(model, config.optim, ONE, steps_per_epoch=20)
     for step in range(1, 201):
         set_weights(model, step)
         ema.update(model, step)
@@ -163,7 +165,7 @@ def test_a_short_run_s_average_follows_the_model_not_its_first_weights():
 
 def test_the_warm_up_begins_where_the_lr_warmup_s_restarts_end():
     config = Config(model_ema=True, model_ema_decay=0.998, model_ema_steps=1, lr_warmup_epochs=2)
-    ema = build_ema(net(), config, ONE, steps_per_epoch=5)
+    ema = build_ema(net(), config.optim, ONE, steps_per_epoch=5)
     model = net()
     for step in range(1, 11):  # the LR warmup: each update copies the weights
         set_weights(model, step)
@@ -181,7 +183,7 @@ def test_a_long_run_s_decay_is_the_configured_one():
     for every in (1, 4):
         config = Config(model_ema=True, model_ema_decay=0.99, model_ema_steps=every)
         model = net()
-        ema = build_ema(model, config, ONE, steps_per_epoch=10)
+        ema = build_ema(model, config.optim, ONE, steps_per_epoch=10)
         decays = []
         for step in range(1, 1200 * every + 1):
             if step % every == 0:

@@ -27,7 +27,7 @@ Usage = namedtuple("Usage", "total used free")
 def model_and_optimizer():
     torch.manual_seed(0)
     model = torchvision.models.get_model("resnet18", num_classes=3)
-    optimizer, scheduler = build_optimizer(model, Config(lr=0.1))
+    optimizer, scheduler = build_optimizer(model, Config(lr=0.1).optim)
     model(torch.randn(2, 3, 32, 32)).logsumexp(1).mean().backward()
     optimizer.step()  # SGD momentum: one buffer a parameter
     return model, optimizer, scheduler

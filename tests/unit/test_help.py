@@ -47,17 +47,17 @@ def test_eval_has_the_same_flags(capsys, monkeypatch):
 def test_every_flag_is_documented_by_its_config_field():
     train = train_parser()
     actions = {a.dest: a for a in train._actions}
-    for f in settings():
-        action = actions[f.name]
+    for name, f in settings().items():
+        action = actions[name]
         if f.metadata["help"] is None:
-            assert f.name == "local_rank"
+            assert name == "local_rank"
             continue
-        assert action.help.startswith(f.metadata["help"]), f.name
-        if f.name == "data":  # the positional DATA
+        assert action.help.startswith(f.metadata["help"]), name
+        if name == "data":  # the positional DATA
             assert not action.option_strings
             continue
-        names = f.metadata["names"] or ("--" + f.name.replace("_", "-"),)
-        assert set(names) <= set(action.option_strings), f.name
+        names = f.metadata["names"] or ("--" + name.replace("_", "-"),)
+        assert set(names) <= set(action.option_strings), name
 
 
 @pytest.mark.parametrize(

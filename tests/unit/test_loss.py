@@ -36,7 +36,7 @@ def test_label_smoothing_equals_torchs_on_hard_and_soft_targets():
 
 def test_without_mixing_the_batch_is_untouched():
     images, target = batch()
-    criterion = build_criterion(Config(label_smoothing=0.1), CLASSES)
+    criterion = build_criterion(Config(label_smoothing=0.1).optim, CLASSES)
     assert not criterion.mixes
     out_images, out_target = criterion.prepare(images, target, step_generator())
     assert out_images is images and out_target is target
@@ -76,7 +76,7 @@ def test_cutmix_targets_are_the_pasted_areas(seed):
 
 def test_both_choose_mixup_or_cutmix_per_batch():
     images, labels = batch()
-    criterion = build_criterion(Config(mixup_alpha=0.2, cutmix_alpha=1.0), CLASSES)
+    criterion = build_criterion(Config(mixup_alpha=0.2, cutmix_alpha=1.0).optim, CLASSES)
     kinds = set()
     for seed in range(12):
         mixed, target = criterion.prepare(images, labels, step_generator(seed))

@@ -1,7 +1,5 @@
 """--opt, --norm-weight-decay and the LR the optimizer starts from."""
 
-import dataclasses
-
 import pytest
 import torch
 import torchvision
@@ -26,7 +24,7 @@ def tiny_convnet():
 
 def test_classic_sgd_is_one_group():
     model = tiny_convnet()
-    optimizer, _ = build_optimizer(model, Config(lr=0.3, momentum=0.8, weight_decay=1e-3))
+    optimizer, _ = build_optimizer(model, Config(lr=0.3, momentum=0.8, weight_decay=1e-3).optim)
     assert isinstance(optimizer, optim.SGD) and len(optimizer.param_groups) == 1
     group = optimizer.param_groups[0]
     assert (group["lr"], group["momentum"], group["weight_decay"]) == (0.3, 0.8, 1e-3)
@@ -62,24 +60,24 @@ def test_frozen_parameters_are_left_out():
 
 
 def test_nesterov_and_adamw():
-    optimizer, _ = build_optimizer(tiny_convnet(), Config(opt="sgd-nesterov"))
+    optimizer, _ = build_optimizer(tiny_convnet(), Config(opt="sgd-nesterov").optim)
     assert isinstance(optimizer, optim.SGD) and optimizer.param_groups[0]["nesterov"]
     config = Config(opt="adamw", lr=1e-3, weight_decay=0.05, norm_weight_decay=0.0)
-    optimizer, _ = build_optimizer(tiny_convnet(), config)
+    optimizer, _ = build_optimizer(tiny_convnet(), config.optim)
     assert isinstance(optimizer, optim.AdamW)
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.05, 0.0]
     assert [g["lr"] for g in optimizer.param_groups] == [1e-3, 1e-3]
 
 
 def test_linear_scaling_rule_follows_the_global_batch():
-    assert base_lr(Config(lr=0.3)) == 0.3
-    assert base_lr(Config(lr_base=0.1, lr_base_batch=256, batch_size=64)) == 0.025
-    assert base_lr(Config(lr_base=0.5, lr_base_batch=1024, batch_size=2048)) == 1.0
+    assert base_lr(Config(lr=0.3).optim) == 0.3
+    assert base_lr(Config(lr_base=0.1, lr_base_batch=256, batch_size=64).optim) == 0.025
+    assert base_lr(Config(lr_base=0.5, lr_base_batch=1024, batch_size=2048).optim) == 1.0
 
 
 def _stepping(config: Config, steps: int):
     """The optimizer and schedule of config, `steps` steps on (4 an epoch)."""
-    optimizer, scheduler = build_optimizer(tiny_convnet(), config, steps_per_epoch=4)
+    optimizer, scheduler = build_optimizer(tiny_convnet(), config.optim, steps_per_epoch=4)
     for _ in range(steps):
         optimizer.step()
         scheduler.step()
@@ -109,8 +107,8 @@ def test_flags_given_on_resume_win_over_the_checkpoints_settings(schedule):
         lr_milestones=[2, 3],
     )
     saved_optimizer, saved_schedule = _stepping(before, 6)  # mid-epoch 2, after the warmup
-    given = dataclasses.replace(before, lr=0.01, momentum=0.5)
-    optimizer, scheduler = build_optimizer(tiny_convnet(), given, steps_per_epoch=4)
+    given = before.replace(lr=0.01, momentum=0.5)
+    optimizer, scheduler = build_optimizer(tiny_convnet(), given.optim, steps_per_epoch=4)
     built = settings(optimizer)
     optimizer.load_state_dict(saved_optimizer.state_dict())
     scheduler.load_state_dict(saved_schedule.state_dict())
@@ -126,7 +124,7 @@ def test_the_same_flags_on_resume_leave_every_lr_bit_for_bit():
     config = Config(lr=0.3, lr_scheduler="cosine", lr_warmup_epochs=1, epochs=4)
     for steps in range(1, 12):
         saved_optimizer, saved_schedule = _stepping(config, steps)
-        optimizer, scheduler = build_optimizer(tiny_convnet(), config, steps_per_epoch=4)
+        optimizer, scheduler = build_optimizer(tiny_convnet(), config.optim, steps_per_epoch=4)
         built = settings(optimizer)
         optimizer.load_state_dict(saved_optimizer.state_dict())
         scheduler.load_state_dict(saved_schedule.state_dict())

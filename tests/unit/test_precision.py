@@ -34,22 +34,30 @@ def convnet():
     )
 
 
+def resolve(config: Config, saved: dict | None, model: nn.Module):
+    """resolve_precision as a run calls it: the model's settings, its train crop and seed."""
+    seeded = config.optim.seed is not None
+    return resolve_precision(
+        config.model, saved, model, CPU, image_size=config.data.image_size, seeded=seeded
+    )
+
+
 def test_defaults_channels_last_for_convolutional_models_only():
     # amp: --amp auto's choice for this machine's CPU (the default since --amp auto)
-    assert resolve_precision(Config(), None, convnet(), CPU).settings() == {
+    assert resolve(Config(), None, convnet()).settings() == {
         "amp": auto_amp("cpu", bf16_units(CPU))[0],
         "channels_last": True,
         "compile": False,
     }
     mlp = nn.Sequential(nn.Flatten(), nn.Linear(12, 4))
-    assert not resolve_precision(Config(), None, mlp, CPU).channels_last
+    assert not resolve(Config(), None, mlp).channels_last
 
 
 def test_flags_win_and_a_resumed_run_keeps_its_settings():
     saved = {"amp": "bf16", "channels_last": False, "compile": True}
-    assert resolve_precision(Config(), saved, convnet(), CPU).settings() == saved
+    assert resolve(Config(), saved, convnet()).settings() == saved
     flags = Config(amp="none", channels_last=True, compile=False)
-    assert resolve_precision(flags, saved, convnet(), CPU).settings() == {
+    assert resolve(flags, saved, convnet()).settings() == {
         "amp": "none",
         "channels_last": True,
         "compile": False,
@@ -60,14 +68,14 @@ def test_under_fsdp_channels_last_stays_on():
     # Under fsdp channels_last lays out the batches (the parameters stay contiguous, as FSDP2
     # shards them): on by default for convolutional models, as under ddp, and taken when given.
     fsdp = Config(strategy="fsdp")
-    assert resolve_precision(fsdp, None, convnet(), CPU).channels_last
+    assert resolve(fsdp, None, convnet()).channels_last
     given = Config(strategy="fsdp", channels_last=True)
-    assert resolve_precision(given, None, convnet(), CPU).channels_last
+    assert resolve(given, None, convnet()).channels_last
 
 
 def test_fp16_needs_cuda_and_unknown_modes_are_refused():
     with pytest.raises(UserError, match="--amp fp16"):
-        resolve_precision(Config(amp="fp16"), None, convnet(), CPU)
+        resolve(Config(amp="fp16"), None, convnet())
     with pytest.raises(UserError, match="--amp"):
         Config(amp="fp8")
 
@@ -134,23 +142,23 @@ def test_auto_takes_fp32_on_other_devices():
 
 def test_auto_is_resolved_before_it_is_saved_and_a_resumed_choice_stays(monkeypatch):
     monkeypatch.setattr(precision, "bf16_units", lambda device: True)
-    chosen = resolve_precision(Config(amp="auto"), None, convnet(), CPU)
+    chosen = resolve(Config(amp="auto"), None, convnet())
     assert chosen.settings()["amp"] == "bf16"  # what config.json and the checkpoint keep
     assert chosen.amp_choice() == "bf16 (auto: the cpu device has bf16 units)"
-    assert resolve_precision(Config(seed=0), None, convnet(), CPU).amp == "none"
+    assert resolve(Config(seed=0), None, convnet()).amp == "none"
     monkeypatch.setattr(precision, "bf16_units", lambda device: False)
-    assert resolve_precision(Config(), None, convnet(), CPU).amp == "none"
+    assert resolve(Config(), None, convnet()).amp == "none"
     # a run resumed on a machine without bf16 units keeps the bf16 its first run chose
-    resumed = resolve_precision(Config(), {"amp": "bf16"}, convnet(), CPU)
+    resumed = resolve(Config(), {"amp": "bf16"}, convnet())
     assert resumed.amp == "bf16" and resumed.amp_choice() == "bf16"
 
 
 def test_bf16_on_a_cpu_without_bf16_units_warns_that_it_is_emulated(monkeypatch):
     monkeypatch.setattr(precision, "bf16_units", lambda device: False)
-    slow = resolve_precision(Config(amp="bf16"), None, convnet(), CPU)
+    slow = resolve(Config(amp="bf16"), None, convnet())
     assert slow.amp == "bf16" and "emulated and slower" in slow.warning
     monkeypatch.setattr(precision, "bf16_units", lambda device: True)
-    assert resolve_precision(Config(amp="bf16"), None, convnet(), CPU).warning is None
+    assert resolve(Config(amp="bf16"), None, convnet()).warning is None
 
 
 def test_a_strided_convolution_of_a_1x1_map_is_found_by_shapes_alone():
@@ -170,11 +178,11 @@ def test_auto_keeps_a_cpu_run_in_fp32_where_bf16_is_wrong():
     assert auto_amp("cuda", True, strided_single_pixel="layer4.0.conv1")[0] == "bf16"
     model = build_model("resnet18", 10, 16, False)
     small, given = Config(image_size=16), Config(image_size=16, amp="bf16")
-    assert resolve_precision(small, None, model, CPU).amp == "none"
-    warning = resolve_precision(given, None, model, CPU).warning
+    assert resolve(small, None, model).amp == "none"
+    warning = resolve(given, None, model).warning
     if bf16_units(CPU):  # else the warning says that bf16 is emulated
         assert "layer4.0.conv1 convolves a 1x1 map" in warning and "--amp none" in warning
-        assert resolve_precision(Config(image_size=32), None, model, CPU).amp == "bf16"
+        assert resolve(Config(image_size=32), None, model).amp == "bf16"
 
 
 def test_each_dataparallel_replica_computes_in_the_runs_dtype():

@@ -22,7 +22,7 @@ def model():
 
 def curve(config: Config, steps_per_epoch=STEPS, steps=None):
     """The LR of each optimizer step, stepping the schedule after each, as the trainer does."""
-    optimizer, scheduler = build_optimizer(model(), config, steps_per_epoch)
+    optimizer, scheduler = build_optimizer(model(), config.optim, steps_per_epoch)
     lrs = []
     for _ in range(steps or config.epochs * steps_per_epoch):
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -72,13 +72,13 @@ def test_step_with_warmup():
 def test_a_warmup_shorter_than_half_a_step_is_named_as_none():
     short = Config(lr=0.1, lr_warmup_epochs=0.05, epochs=2)  # 0.35 of a step at STEPS
     assert curve(short)[0] == 0.1  # no ramp: the full LR from the first step
-    line = no_warmup_warning(short, STEPS)
+    line = no_warmup_warning(short.optim, STEPS)
     assert line.startswith("--lr-warmup-epochs 0.05 rounds to 0 of the 7 steps per epoch")
     assert line.endswith("there is no warmup; give more than 0.0714 for one step")
-    assert no_warmup_warning(Config(lr_warmup_epochs=0.0714), STEPS)  # 0.4998 rounds to 0
+    assert no_warmup_warning(Config(lr_warmup_epochs=0.0714).optim, STEPS)  # 0.4998 rounds to 0
     assert curve(Config(lr=0.1, lr_warmup_epochs=0.0715, epochs=2))[0] < 0.1  # 0.5005: ramps
-    assert no_warmup_warning(Config(lr_warmup_epochs=0.1), STEPS) is None  # 0.7: one step
-    assert no_warmup_warning(Config(lr_warmup_epochs=0), STEPS) is None  # none asked for
+    assert no_warmup_warning(Config(lr_warmup_epochs=0.1).optim, STEPS) is None  # 0.7: one step
+    assert no_warmup_warning(Config(lr_warmup_epochs=0).optim, STEPS) is None  # none asked for
 
 
 def test_multistep_drops_at_its_epochs_warmup_or_not():
@@ -144,12 +144,12 @@ def test_linear_scaling_rule():
 def test_a_schedule_resumed_mid_epoch_from_its_state_continues_exactly(config):
     uninterrupted = curve(config)
     for stop in (3, STEPS + 4, 3 * STEPS + 2):  # in the warmup, just after, later
-        first_optimizer, first = build_optimizer(model(), config, STEPS)
+        first_optimizer, first = build_optimizer(model(), config.optim, STEPS)
         for _ in range(stop):
             first_optimizer.step()
             first.step()
         saved = (first_optimizer.state_dict(), first.state_dict())
-        optimizer, scheduler = build_optimizer(model(), config, STEPS)
+        optimizer, scheduler = build_optimizer(model(), config.optim, STEPS)
         optimizer.load_state_dict(saved[0])
         scheduler.load_state_dict(saved[1])
         resumed = []
@@ -162,7 +162,7 @@ def test_a_schedule_resumed_mid_epoch_from_its_state_continues_exactly(config):
 
 def test_fast_forward_puts_a_fresh_schedule_at_a_step():
     config = Config(epochs=8, lr_scheduler="cosine", lr_warmup_epochs=1)
-    optimizer, scheduler = build_optimizer(model(), config, STEPS)
+    optimizer, scheduler = build_optimizer(model(), config.optim, STEPS)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # fast_forward silences torch's order warning itself
         fast_forward(scheduler, 3 * STEPS + 1)

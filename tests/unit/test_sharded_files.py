@@ -134,7 +134,7 @@ def test_restore_and_convert_give_back_what_was_saved(saved):
     resume = files.resolve("auto", out_dir)
     assert resume.name == "checkpoint-000000020.dcp"
     fresh = torchvision.models.get_model("resnet18", num_classes=3)
-    fresh_optimizer, fresh_scheduler = build_optimizer(fresh, Config(lr=0.1))
+    fresh_optimizer, fresh_scheduler = build_optimizer(fresh, Config(lr=0.1).optim)
     restorer = sharded_checkpointer(out_dir, fresh, fresh_optimizer, fresh_scheduler)
     state = restorer.restore(files.load(resume))
     assert (state.epoch, state.global_step, state.best_acc1) == (2, 20, 7.5)
@@ -443,7 +443,7 @@ def test_a_shard_overwritten_with_other_bytes_is_named_as_damaged(saved):
     with pytest.raises(UserError, match=r"000020.dcp is damaged: its shards cannot be read \("):
         sharded.to_single(folder)
     fresh = torchvision.models.get_model("resnet18", num_classes=3)
-    fresh_optimizer, fresh_scheduler = build_optimizer(fresh, Config(lr=0.1))
+    fresh_optimizer, fresh_scheduler = build_optimizer(fresh, Config(lr=0.1).optim)
     restorer = sharded_checkpointer(out_dir, fresh, fresh_optimizer, fresh_scheduler)
     with pytest.raises(UserError, match="is damaged: its shards cannot be read"):
         restorer.restore(files.load(folder))

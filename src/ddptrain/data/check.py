@@ -123,7 +123,7 @@ def images_to_leave_out(
     skip leaves out, the same on every rank; with error, a bad file stops every rank. Nothing
     to do for the built-in data set and --dummy. A collective: every rank calls it. Rank 0
     shows the bad files (stderr), its bar and the verdict (stdout) through say and counting."""
-    if not config.checks_images or config.data is None or config.dummy:
+    if not config.checks_images or config.data.root is None or config.dummy:
         return frozenset()
     if not env.is_main:  # other ranks stay quiet
         say, counting = _quiet, _uncounted

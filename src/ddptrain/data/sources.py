@@ -99,9 +99,9 @@ def open_source(config: Config, log=None) -> Source:
     """The source DATA names; `log` hears of the built-in data set being made."""
     if config.dummy:
         return DummySource(config.image_size)
-    if config.data is None:
+    if config.data.root is None:
         return FolderSource(ensure_builtin(log=log), config.max_image_pixels)
-    root = Path(config.data)
+    root = Path(config.data.root)
     if not root.is_dir():
         raise UserError(
             f"DATA: {root} is not a directory (expected an ImageFolder root with train/ and val/)"

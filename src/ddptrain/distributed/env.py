@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddptrain.config import Config
+from ddptrain.config import LaunchSettings
 from ddptrain.distributed import slurm
 from ddptrain.distributed.threads import share_cpu_threads
 from ddptrain.errors import UserError, first_line
@@ -54,42 +54,42 @@ class DistEnv:
         return self.world_size > 1
 
 
-def _placement(config: Config, slot: SpawnSlot | None) -> tuple[int, int, int, int, str]:
+def _placement(launch: LaunchSettings, slot: SpawnSlot | None) -> tuple[int, int, int, int, str]:
     """(rank, world_size, local_rank, local_world_size, init url) for this process."""
     env = os.environ
     if slot is not None:
         rank = slot.node_rank * slot.nproc_per_node + slot.local_rank
         world = slot.nodes * slot.nproc_per_node
         return rank, world, slot.local_rank, slot.nproc_per_node, slot.dist_url
-    if config.dist_url == "env://" and "WORLD_SIZE" in env:  # torchrun, torch.distributed.launch
+    if launch.dist_url == "env://" and "WORLD_SIZE" in env:  # torchrun, torch.distributed.launch
         if "RANK" not in env:
             raise UserError("WORLD_SIZE is set but RANK is not: launch with torchrun")
-        local_rank = int(env.get("LOCAL_RANK", config.local_rank or 0))
+        local_rank = int(env.get("LOCAL_RANK", launch.local_rank or 0))
         local_world = int(env.get("LOCAL_WORLD_SIZE", 1))
         return int(env["RANK"]), int(env["WORLD_SIZE"]), local_rank, local_world, "env://"
-    if config.dist_url == "env://" and slurm.started_by_srun(env):  # srun, no torchrun
+    if launch.dist_url == "env://" and slurm.started_by_srun(env):  # srun, no torchrun
         task = slurm.placement(env)
         return task.rank, task.world_size, task.local_rank, task.local_world_size, task.url
     started_with_others = _launcher(env)
-    if started_with_others and config.world_size < 2:
+    if started_with_others and launch.world_size < 2:
         # Each process would read only its own flags and train alone, all on device 0.
         raise UserError(
-            f"--dist-url {config.dist_url}: {started_with_others} started this process with "
+            f"--dist-url {launch.dist_url}: {started_with_others} started this process with "
             "others and placed it; drop --dist-url (env://, the default, takes that placement)"
         )
-    if config.world_size > 1:  # one process per invocation, e.g. --dist-url tcp://
-        if config.rank < 0:
-            raise UserError(f"--world-size {config.world_size} needs --rank of this process")
-        if config.dist_url == "env://" and not {"MASTER_ADDR", "MASTER_PORT"} <= env.keys():
+    if launch.world_size > 1:  # one process per invocation, e.g. --dist-url tcp://
+        if launch.rank < 0:
+            raise UserError(f"--world-size {launch.world_size} needs --rank of this process")
+        if launch.dist_url == "env://" and not {"MASTER_ADDR", "MASTER_PORT"} <= env.keys():
             raise UserError(
                 "--dist-url env:// needs MASTER_ADDR and MASTER_PORT (torchrun sets them); "
                 "launch with torchrun or give --dist-url tcp://HOST:PORT"
             )
-        devices = _node_device_count(config)
-        local_rank = local_index(config.rank, env.get("LOCAL_RANK"), config.local_rank, devices)
-        local_world = int(env.get("LOCAL_WORLD_SIZE", min(config.world_size, devices) or 1))
-        return config.rank, config.world_size, local_rank, local_world, config.dist_url
-    return 0, 1, 0, 1, config.dist_url
+        devices = _node_device_count(launch)
+        local_rank = local_index(launch.rank, env.get("LOCAL_RANK"), launch.local_rank, devices)
+        local_world = int(env.get("LOCAL_WORLD_SIZE", min(launch.world_size, devices) or 1))
+        return launch.rank, launch.world_size, local_rank, local_world, launch.dist_url
+    return 0, 1, 0, 1, launch.dist_url
 
 
 def _launcher(env) -> str | None:
@@ -116,35 +116,35 @@ def local_index(
     return rank % devices_per_node if devices_per_node > 0 else rank
 
 
-def _device_kind(config: Config) -> str:
-    kind = "cpu" if config.no_accel else config.device
+def _device_kind(launch: LaunchSettings) -> str:
+    kind = "cpu" if launch.no_accel else launch.device
     if kind == "auto":
         accelerator = torch.accelerator.current_accelerator(check_available=True)
         kind = accelerator.type if accelerator is not None else "cpu"
     return kind
 
 
-def _node_device_count(config: Config) -> int:
+def _node_device_count(launch: LaunchSettings) -> int:
     """Accelerators of the run's kind on this node; 0 on CPU (or with none available)."""
-    kind = _device_kind(config)
+    kind = _device_kind(launch)
     module = getattr(torch, kind, None)
     if kind == "cpu" or module is None or not module.is_available():
         return 0
     return module.device_count()
 
 
-def _device(config: Config, local_rank: int) -> torch.device:
-    kind = _device_kind(config)
-    if kind == "cpu" and config.gpu is not None:
-        raise UserError(f"--gpu {config.gpu}: no accelerator is available here")
+def _device(launch: LaunchSettings, local_rank: int) -> torch.device:
+    kind = _device_kind(launch)
+    if kind == "cpu" and launch.gpu is not None:
+        raise UserError(f"--gpu {launch.gpu}: no accelerator is available here")
     if kind == "cpu":
         return torch.device("cpu")
     module = getattr(torch, kind)
     if not module.is_available():
         raise UserError(f"--device {kind}: no {kind} device is available here")
     count = module.device_count()
-    if config.gpu is not None:
-        index = config.gpu
+    if launch.gpu is not None:
+        index = launch.gpu
     elif local_rank < count:
         index = local_rank
     else:
@@ -242,35 +242,39 @@ def _meet(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta)
     return store.add(on_this_host, 0)
 
 
-def _backend(config: Config, device: torch.device) -> str:
-    backend = config.dist_backend or dist.get_default_backend_for_device(device.type)
+def _backend(launch: LaunchSettings, device: torch.device) -> str:
+    backend = launch.dist_backend or dist.get_default_backend_for_device(device.type)
     if backend == "nccl" and device.type != "cuda":
         raise UserError(f"--dist-backend nccl needs CUDA devices; this run is on {device.type}")
     return backend
 
 
 def init_distributed(
-    config: Config, slot: SpawnSlot | None = None, say: Callable[[str], None] | None = None
+    launch: LaunchSettings,
+    workers: int,
+    slot: SpawnSlot | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> DistEnv:
-    """This process's place in the run, its process group formed. `say(line)`: how rank 0
-    shows a warning found on the way, before the group forms (a restart can hang there) and
-    before any Reporter exists; run.train passes progress.say. None: nothing is shown."""
-    rank, world, local_rank, local_world, url = _placement(config, slot)
-    timeout = datetime.timedelta(seconds=config.dist_timeout)
+    """This process's place in the run, its process group formed; `workers`: its loader
+    workers (-j), which share the node's CPU threads with it. `say(line)`: how rank 0 shows a
+    warning found on the way, before the group forms (a restart can hang there) and before any
+    Reporter exists; run.train passes progress.say. None: nothing is shown."""
+    rank, world, local_rank, local_world, url = _placement(launch, slot)
+    timeout = datetime.timedelta(seconds=launch.dist_timeout)
     # Under --dist-url tcp:// no launcher ends the other invocations when one fails: the ranks
     # meet in a store first, where a rank that fails before the group forms says so.
     meeting = _tcp_store(url, rank, world, timeout) if world > 1 else None
     try:
         # Processes a launcher started share the flags; one started on its own may pin its own.
-        if config.gpu is not None and local_world > 1 and (slot or _launcher(os.environ)):
+        if launch.gpu is not None and local_world > 1 and (slot or _launcher(os.environ)):
             raise UserError(
-                f"--gpu {config.gpu} would put all {local_world} processes of this node on one "
+                f"--gpu {launch.gpu} would put all {local_world} processes of this node on one "
                 "device; drop it: each rank takes the device of its local rank"
             )
-        device = _device(config, local_rank)
+        device = _device(launch, local_rank)
         if device.type != "cpu":
             torch.accelerator.set_device_index(device.index)
-        backend = _backend(config, device) if world > 1 else None
+        backend = _backend(launch, device) if world > 1 else None
     except Exception as err:
         if meeting is not None:
             _announce_failure(meeting, rank, world, err)
@@ -279,7 +283,7 @@ def init_distributed(
         on_this_host = _meet(meeting, rank, world, timeout)
         # Processes started one by one know nothing of each other but what the meeting says.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", on_this_host))
-    share_cpu_threads(local_world, config.workers)
+    share_cpu_threads(local_world, workers)
     cpu_group = None
     if world > 1:
         store = meeting or _restart_safe_store(url, timeout, rank, say)

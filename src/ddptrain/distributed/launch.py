@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as mp
 
-from ddptrain.config import Config
+from ddptrain.config import Config, LaunchSettings
+from ddptrain.config_layers import Layers, check_batch_divides_early
 from ddptrain.distributed.env import SpawnSlot
 from ddptrain.distributed.ports import free_port
 from ddptrain.errors import UserError, end_process, report_errors
@@ -25,21 +26,21 @@ PASSED_ON = (signal.SIGTERM, signal.SIGUSR1)
 INTERRUPT_GRACE_S = 5.0
 
 
-def _default_nproc(config: Config) -> int:
-    if config.no_accel or config.device == "cpu":
+def _default_nproc(launch: LaunchSettings) -> int:
+    if launch.no_accel or launch.device == "cpu":
         return 1
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     return torch.accelerator.device_count() if accelerator is not None else 1
 
 
-def _rendezvous(config: Config, nodes: int) -> str:
+def _rendezvous(launch: LaunchSettings, nodes: int) -> str:
     """Where the ranks meet. env:// without MASTER_ADDR on one node: a free local port."""
-    if config.dist_url != "env://":
-        return config.dist_url
+    if launch.dist_url != "env://":
+        return launch.dist_url
     if "MASTER_ADDR" in os.environ:
         if "MASTER_PORT" not in os.environ:
             raise UserError("MASTER_ADDR is set but MASTER_PORT is not (--dist-url env://)")
-        return config.dist_url
+        return launch.dist_url
     if nodes > 1:
         raise UserError(
             "--multiprocessing-distributed on several nodes needs --dist-url tcp://HOST:PORT "
@@ -48,11 +49,11 @@ def _rendezvous(config: Config, nodes: int) -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 
 
-def _nodes(config: Config) -> tuple[int, int]:
+def _nodes(launch: LaunchSettings) -> tuple[int, int]:
     """(nodes, this node's rank): --world-size and --rank, or under env:// without them
     WORLD_SIZE and RANK, which the classic example reads there as the same two numbers."""
-    nodes, node_rank = config.world_size, config.rank
-    if config.dist_url == "env://":
+    nodes, node_rank = launch.world_size, launch.rank
+    if launch.dist_url == "env://":
         nodes = nodes if nodes > 0 else int(os.environ.get("WORLD_SIZE", 1))
         node_rank = node_rank if node_rank >= 0 else int(os.environ.get("RANK", -1))
     nodes = max(nodes, 1)
@@ -68,26 +69,29 @@ def _worker(
     local_rank: int,
     train: Callable,
     config: Config,
+    layers: Layers,
     nproc: int,
     nodes: tuple[int, int],
     url: str,
 ) -> None:
     slot = SpawnSlot(local_rank, nproc, nodes[1], nodes[0], url)
-    end_process(report_errors(lambda: train(config, slot)))
+    end_process(report_errors(lambda: train(config, slot, layers)))
 
 
-def spawn(config: Config, train: Callable[[Config, SpawnSlot], object]) -> int:
-    """Runs train(config, slot) on --nproc-per-node processes; returns the exit code of the
-    first failure. train is run.train, passed in (a module-level function, which mp.spawn
+def spawn(config: Config, layers: Layers, train: Callable[..., object]) -> int:
+    """Runs train(config, slot, layers) on --nproc-per-node processes; returns the exit code of
+    the first failure. train is run.train, passed in (a module-level function, which mp.spawn
     pickles by name): the dist wing does not import the run above it.
 
     When one process fails, mp.spawn ends the others, so no rank is left waiting.
     """
-    nproc = config.nproc_per_node or _default_nproc(config)
-    nodes, node_rank = _nodes(config)
-    config.check_batch_divides_early(nproc * nodes)  # each rank checks a resumed -b itself
-    url = _rendezvous(config, nodes)
-    args = (train, config, nproc, (nodes, node_rank), url)
+    launch = config.launch
+    nproc = launch.nproc_per_node or _default_nproc(launch)
+    nodes, node_rank = _nodes(launch)
+    # each rank checks a resumed -b itself
+    check_batch_divides_early(config, layers, nproc * nodes)
+    url = _rendezvous(launch, nodes)
+    args = (train, config, layers, nproc, (nodes, node_rank), url)
     context = mp.spawn(_worker, args=args, nprocs=nproc, join=False)
     try:
         _wait(context)

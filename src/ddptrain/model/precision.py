@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ddptrain.config import Config
+from ddptrain.config import ModelSettings
 from ddptrain.data.transforms import MEAN, STD
 from ddptrain.errors import UserError
 
@@ -186,16 +186,23 @@ def strided_single_pixel(model: nn.Module, image_size: int) -> str | None:
 
 
 def resolve_precision(
-    config: Config, saved_config: dict | None, model: nn.Module, device: torch.device
+    config: ModelSettings,
+    saved_config: dict | None,
+    model: nn.Module,
+    device: torch.device,
+    *,
+    image_size: int,
+    seeded: bool,
 ) -> Precision:
-    """The run's precision: the flags given, else a resumed checkpoint's, else the defaults."""
+    """The run's precision: the flags given, else a resumed checkpoint's, else the defaults.
+    image_size: the train crop (--image-size); seeded: --seed is given."""
     saved = saved_config or {}
     amp = config.amp or saved.get("amp") or "auto"
     reason, wrong = "", None
     if amp in ("auto", "bf16") and device.type == "cpu":
-        wrong = strided_single_pixel(model, config.image_size)
+        wrong = strided_single_pixel(model, image_size)
     if amp == "auto":
-        amp, reason = auto_amp(device.type, bf16_units(device), config.seed is not None, wrong)
+        amp, reason = auto_amp(device.type, bf16_units(device), seeded, wrong)
     channels_last = config.channels_last
     if channels_last is None:
         channels_last = saved.get("channels_last", _convolutional(model))

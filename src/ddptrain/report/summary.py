@@ -11,23 +11,26 @@ from ddptrain.distributed.env import DistEnv
 def start_summary(config, env, loaders, precision, parameters, steps_per_epoch, resume) -> dict:
     """Its lines by their labels, in the order shown."""
     nodes = env.world_size // env.local_world_size
-    strategy = config.strategy if env.distributed else "one process (nothing to shard)"
+    strategy = config.parallel.strategy if env.distributed else "one process (nothing to shard)"
     train = loaders.train_sampler.num_samples if loaders.train_sampler else 0
+    batch, accum_steps = config.optim.batch_size, config.optim.accum_steps
     return {
         "ddptrain": f"{__version__}, torch {torch.__version__}, torchvision "
         f"{torchvision.__version__}",
         "device": f"{env.device.type}, backend {_backend(env)}",
         "world": f"{env.world_size} rank(s) = {nodes} node(s) x {env.local_world_size}",
-        "batch": f"{config.batch_size} global, {config.batch_size // env.world_size} per rank"
-        + (f" in {config.accum_steps} micro-batches" if config.accum_steps > 1 else ""),
+        "batch": f"{batch} global, {batch // env.world_size} per rank"
+        + (f" in {accum_steps} micro-batches" if accum_steps > 1 else ""),
         "steps/epoch": steps_per_epoch,
-        "model": f"{config.arch}, {parameters / 1e6:.2f} M parameters",
+        "model": f"{config.model.arch}, {parameters / 1e6:.2f} M parameters",
         "precision": f"amp {precision.amp_choice()}, channels_last {precision.channels_last}, "
         f"compile {precision.compile}",
         "strategy": strategy,
         "data": f"{loaders.num_classes} classes, {train} train / {loaders.num_val} val images",
-        "out dir": str(config.out_dir),
-        "start": f"resumed from {resume}" if resume else f"fresh, epoch {config.start_epoch}",
+        "out dir": str(config.checkpoint.out_dir),
+        "start": (
+            f"resumed from {resume}" if resume else f"fresh, epoch {config.checkpoint.start_epoch}"
+        ),
     }
 
 

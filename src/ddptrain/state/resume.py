@@ -148,15 +148,16 @@ def saved_data(path: Path) -> str | None:
     return data if isinstance(data, str) else None
 
 
-def kept_seed(config: Config, saved: dict) -> str | None:
-    """A line for a --seed given on resuming a run whose data seed differs: the run keeps its
-    own, so that its sample order and augmentation continue exactly (and its random states come
-    back from the checkpoint), whatever config.json then records as --seed."""
-    data_seed = saved.get("data_seed")
-    if "seed" not in config.on_command_line or data_seed in (None, config.seed):
+def kept_seed(config: Config, saved: dict, on_command_line: frozenset[str]) -> str | None:
+    """A line for a --seed given on the command line (`on_command_line`: config_layers.Layers)
+    on resuming a run whose data seed differs: the run keeps its own, so that its sample order
+    and augmentation continue exactly (and its random states come back from the checkpoint),
+    whatever config.json then records as --seed."""
+    data_seed, seed = saved.get("data_seed"), config.optim.seed
+    if "seed" not in on_command_line or data_seed in (None, seed):
         return None
     return (
-        f"--seed {config.seed} does not reseed a resumed run: it keeps its data seed "
+        f"--seed {seed} does not reseed a resumed run: it keeps its data seed "
         f"{data_seed} (sample order, augmentation) and its random states, to continue exactly"
     )
 
@@ -165,9 +166,10 @@ def check_position(saved: dict, config: Config) -> None:
     """A checkpoint taken mid-epoch continues the epoch's sample order at step x global batch:
     that position only exists for the same global batch."""
     saved_batch = saved.get("config", {}).get("batch_size")
-    if saved.get("epoch_step") and saved_batch != config.batch_size:
+    batch = config.optim.batch_size
+    if saved.get("epoch_step") and saved_batch != batch:
         raise UserError(
-            f"--batch-size {config.batch_size}: the checkpoint stopped mid-epoch with global "
+            f"--batch-size {batch}: the checkpoint stopped mid-epoch with global "
             f"batch {saved_batch}; resume with -b {saved_batch} (any number of ranks)"
         )
 
@@ -193,17 +195,17 @@ def check_continuable(saved: dict, config: Config, path: Path) -> None:
     norms given or dropped: the optimizer's parameter groups would differ from the saved ones,
     which load into them without a word, and train the weights at another LR than the
     schedule's."""
-    was = saved.get("config") or {}
+    was, optim = saved.get("config") or {}, config.optim  # the names: optim's settings
     names = ["opt", "lr_scheduler", "norm_weight_decay"]
-    names += SCHEDULE_SHAPE.get(config.lr_scheduler, ())
-    warmup = config.lr_warmup_epochs > 0 or was.get("lr_warmup_epochs", 0) > 0
+    names += SCHEDULE_SHAPE.get(optim.lr_scheduler, ())
+    warmup = optim.lr_warmup_epochs > 0 or was.get("lr_warmup_epochs", 0) > 0
     if warmup:
         names += WARMUP_SHAPE
-    if config.lr_scheduler != "none" or warmup:
+    if optim.lr_scheduler != "none" or warmup:
         names.append("batch_size")
 
     def differs(name: str) -> bool:
-        before, now = was[name], getattr(config, name)
+        before, now = was[name], getattr(optim, name)
         if name == "opt":  # sgd-nesterov has sgd's state; optim.keep_given sets its nesterov
             return before.removesuffix("-nesterov") != now.removesuffix("-nesterov")
         if name == "norm_weight_decay":  # another value keeps the groups (optim.keep_given)
@@ -211,7 +213,7 @@ def check_continuable(saved: dict, config: Config, path: Path) -> None:
         return _shown(before) != _shown(now)
 
     def given(name: str) -> str:
-        now = getattr(config, name)
+        now = getattr(optim, name)
         return f"no {flag_name(name)}" if now is None else f"{flag_name(name)} {_shown(now)}"
 
     def trained(name: str) -> str:
@@ -232,11 +234,12 @@ def check_same_leave_out(given: Config, merged: Config, path: Path) -> None:
     is read, with the flags given: the checkpoint's own --bad-images skip, or the
     --max-image-pixels that made an image bad, comes too late, and the resumed run read as
     trained on other data ("trained on 8 train images, and DATA has 9 now")."""
-    if merged.bad_images != "skip" or merged.data is None or merged.dummy:
+    data = merged.data
+    if data.bad_images != "skip" or data.root is None or data.dummy:
         return  # nothing is left out: the loaders take the checkpoint's settings
     for name in ("bad_images", "max_image_pixels"):
-        was = getattr(merged, name)
-        if was != getattr(given, name):
+        was = getattr(data, name)
+        if was != getattr(given.data, name):
             raise UserError(
                 f"--resume: {path} was trained with {flag_name(name)} {was}: give it again, "
                 "so that the same images are left out"

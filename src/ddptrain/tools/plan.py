@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ddptrain
-from ddptrain.config import MEMORY_SETTINGS, Config
+from ddptrain.config import MEMORY_SETTINGS, Config, OptimSettings, ParallelSettings
 from ddptrain.data.synth import cache_dir
 from ddptrain.errors import UserError
 from ddptrain.state.files import atomic_write
@@ -44,11 +44,11 @@ class MemorySettings:
     """The run's settings that change what a rank holds (config.MEMORY_SETTINGS), by default
     train's: a Workload's, and flags of `ddptrain plan`."""
 
-    opt: str = Config.opt
-    momentum: float = Config.momentum  # SGD keeps no state without it
-    model_ema: bool = Config.model_ema
-    accum_steps: int = Config.accum_steps  # forward passes the per-rank batch is split into
-    reshard_after_forward: bool = Config.reshard_after_forward  # fsdp's
+    opt: str = OptimSettings.opt
+    momentum: float = OptimSettings.momentum  # SGD keeps no state without it
+    model_ema: bool = OptimSettings.model_ema
+    accum_steps: int = OptimSettings.accum_steps  # forward passes the per-rank batch is split into
+    reshard_after_forward: bool = ParallelSettings.reshard_after_forward  # fsdp's
 
 
 @dataclass(frozen=True)

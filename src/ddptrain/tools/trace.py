@@ -49,7 +49,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from ddptrain.config import Config
+from ddptrain.config import OptimSettings
 from ddptrain.errors import end_process, first_line
 from ddptrain.model.build import CropError, build_model
 from ddptrain.model.fsdp import shard
@@ -171,12 +171,7 @@ def trace(request: dict, strategy: str) -> dict[str, int | None]:
     model = _fake_model(request, strategy, fake_mode)
     wraps_in_ddp = strategy == "ddp" and request["world_size"] > 1
     with fake_mode:
-        config = Config(
-            arch=request["arch"],
-            amp=request["amp"],
-            opt=request["opt"],
-            momentum=request["momentum"],
-        )
+        config = OptimSettings(opt=request["opt"], momentum=request["momentum"])
         optimizer, _ = build_optimizer(model, config)
         batch, size = request["per_rank_batch"], request["image_size"]
         images = torch.randn(batch, 3, size, size)

@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
-from ddptrain.config import Config
+from ddptrain.config import OptimSettings
 from ddptrain.distributed.env import DistEnv
 from ddptrain.model.parallelize import is_sharded, reshard_gathered
 from ddptrain.state import sharded
@@ -154,7 +154,7 @@ def _held(model: nn.Module) -> list[torch.Tensor]:
 
 def build_ema(
     model: nn.Module,
-    config: Config,
+    config: OptimSettings,
     env: DistEnv,
     steps_per_epoch: int,
     averaged: nn.Module | None = None,

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torchvision.transforms import v2
 
-from ddptrain.config import Config
+from ddptrain.config import OptimSettings
 
 
 class Criterion(nn.Module):
@@ -79,5 +79,5 @@ class Criterion(nn.Module):
         return target.argmax(dim=1) if target.ndim == 2 else target
 
 
-def build_criterion(config: Config, num_classes: int) -> Criterion:
+def build_criterion(config: OptimSettings, num_classes: int) -> Criterion:
     return Criterion(num_classes, config.label_smoothing, config.mixup_alpha, config.cutmix_alpha)

@@ -3,7 +3,7 @@ schedule (train/schedule.py)."""
 
 from torch import nn, optim
 
-from ddptrain.config import Config
+from ddptrain.config import OptimSettings
 from ddptrain.train.schedule import build_scheduler, fast_forward
 
 __all__ = [
@@ -27,7 +27,7 @@ NORM_LAYERS = (
 )
 
 
-def base_lr(config: Config) -> float:
+def base_lr(config: OptimSettings) -> float:
     """The LR the schedule starts from (after any warmup): --lr, or with the linear scaling
     rule --lr-base x global batch / --lr-base-batch."""
     if config.lr_base is not None:
@@ -56,7 +56,7 @@ def param_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float
 
 
 def build_optimizer(
-    model: nn.Module, config: Config, steps_per_epoch: int = 1
+    model: nn.Module, config: OptimSettings, steps_per_epoch: int = 1
 ) -> tuple[optim.Optimizer, optim.lr_scheduler.LRScheduler]:
     """The optimizer over model's parameters (the wrapped model's are the same tensors) and
     its schedule, to be stepped after every optimizer step. steps_per_epoch converts the

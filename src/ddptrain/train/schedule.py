@@ -24,11 +24,11 @@ import warnings
 from torch import optim
 from torch.optim import lr_scheduler
 
-from ddptrain.config import Config
+from ddptrain.config import OptimSettings
 
 
 def build_scheduler(
-    optimizer: optim.Optimizer, config: Config, steps_per_epoch: int
+    optimizer: optim.Optimizer, config: OptimSettings, steps_per_epoch: int
 ) -> lr_scheduler.LRScheduler:
     """The schedule of `optimizer`'s LR; call its step() after every optimizer step.
     steps_per_epoch: optimizer steps in one epoch (1 for a trainer that steps it per epoch)."""
@@ -56,11 +56,11 @@ def build_scheduler(
     return lr_scheduler.ChainedScheduler([ramp, main], optimizer=optimizer)
 
 
-def warmup_steps(config: Config, steps_per_epoch: int) -> int:
+def warmup_steps(config: OptimSettings, steps_per_epoch: int) -> int:
     return round(config.lr_warmup_epochs * steps_per_epoch)
 
 
-def no_warmup_warning(config: Config, steps_per_epoch: int) -> str | None:
+def no_warmup_warning(config: OptimSettings, steps_per_epoch: int) -> str | None:
     """A warmup asked for that rounds to no step: the run would start at the full LR unawares."""
     if config.lr_warmup_epochs <= 0 or warmup_steps(config, steps_per_epoch) > 0:
         return None
