@@ -249,11 +249,18 @@ def relative_paths(dataset: ImageFolder) -> list[str]:
 def facts(dataset: ImageFolder) -> dict:
     """The image count and a digest of the sorted file list (paths relative to the split's root,
     with labels): what a checkpoint records, so that resuming on other data is noticed."""
-    digest = hashlib.sha256()
     labels = (label for _, label in dataset.samples)
-    for path, label in sorted(zip(relative_paths(dataset), labels, strict=True)):
-        digest.update(os.fsencode(f"{path}\t{label}\n"))  # names need not be UTF-8
-    return {"images": len(dataset.samples), "digest": digest.hexdigest()}
+    pairs = zip(relative_paths(dataset), labels, strict=True)
+    return {"images": len(dataset.samples), "digest": digest(pairs)}
+
+
+def digest(pairs) -> str:
+    """Of (path relative to the split, label) pairs, in any order: a packed set's samples give
+    the folder's digest when they are its images (data/shards.py)."""
+    found = hashlib.sha256()
+    for path, label in sorted(pairs):
+        found.update(os.fsencode(f"{path}\t{label}\n"))  # names need not be UTF-8
+    return found.hexdigest()
 
 
 def leave_out(dataset: ImageFolder, split: str, paths: frozenset[str]) -> None:

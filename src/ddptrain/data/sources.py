@@ -1,36 +1,30 @@
 """Where a run's images come from, chosen by what DATA is: an image folder (the built-in data set
-is one) or, with --dummy, random images.
+is one), a packed set (data/shards.py: `ddptrain pack`'s tar shards and index) or, with --dummy,
+random images.
 
-A source gives each split as a `Split`: a Dataset of (uint8 RGB image, class index) pairs with
-the transform applied, its classes, and what a checkpoint records of it (`facts`: count and
-digest, so resuming on other data is refused). For the image check (data/check.py) it names its
-samples and says why one cannot be used. The loaders, the check and the checkpoint's data facts
-know sources only through this, so another form of DATA is one more class here.
+A source gives each split as a `Split` (data/split.py): a Dataset of (uint8 RGB image, class
+index) pairs with the transform applied, its classes, and what a checkpoint records of it
+(`facts`: count and digest, so resuming on other data is refused). For the image check
+(data/check.py) it names its samples and says why one cannot be used. The loaders, the check and
+the checkpoint's data facts know sources only through this, so another form of DATA is one more
+class here.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from torch.utils.data import Dataset
 from torchvision import datasets
 from torchvision.transforms import v2
 
 from ddptrain.config import MAX_IMAGE_PIXELS, Config
 from ddptrain.data import folder
+from ddptrain.data.shard_index import INDEX
+from ddptrain.data.shards import ShardSource
+from ddptrain.data.split import SPLITS, Split
 from ddptrain.data.synth import ensure_builtin
 from ddptrain.errors import UserError
 
-SPLITS = ("train", "val")
 DUMMY_SIZES, DUMMY_CLASSES = {"train": 1_281_167, "val": 50_000}, 1000  # ImageNet's
-
-
-@dataclass
-class Split:
-    dataset: Dataset  # (image, class index), transformed
-    class_to_idx: dict[str, int]
-    where: str  # for messages: a folder or a URL
-    facts: dict = field(default_factory=dict)  # {"images": count, "digest": of the list}
-    warning: str | None = None  # what rank 0 says at start of the samples it leaves out
 
 
 @dataclass(frozen=True)
@@ -51,6 +45,10 @@ class FolderSource:
             folder.facts(dataset),
             folder.loose_warning(dataset),
         )
+
+    def present(self) -> list[str]:
+        """The splits the folder holds."""
+        return [split for split in SPLITS if (self.root / split).is_dir()]
 
     def names(self, splits=SPLITS, say=lambda line, stderr=False: None) -> list[str]:
         """The samples of splits as `split/class/file`, in the order training reads them; says
@@ -92,7 +90,7 @@ class DummySource:
         return Split(dataset, classes, "--dummy", {"images": len(dataset), "digest": None})
 
 
-Source = FolderSource | DummySource
+Source = FolderSource | ShardSource | DummySource
 
 
 def open_source(config: Config, log=None) -> Source:
@@ -101,12 +99,23 @@ def open_source(config: Config, log=None) -> Source:
         return DummySource(config.image_size)
     if config.data.root is None:
         return FolderSource(ensure_builtin(log=log), config.max_image_pixels)
-    root = Path(config.data.root)
+    return open_data(config.data.root, config.max_image_pixels)
+
+
+def open_data(data: str, max_pixels: int = MAX_IMAGE_PIXELS) -> FolderSource | ShardSource:
+    """DATA by its form: a packed set's index file, or a folder holding one (index.json), or
+    an ImageFolder root."""
+    root = Path(data)
+    if root.suffix == ".json" and root.is_file():
+        return ShardSource.open(str(root.parent), root.name, max_pixels)
+    if (root / INDEX).is_file():
+        return ShardSource.open(str(root), INDEX, max_pixels)
     if not root.is_dir():
         raise UserError(
-            f"DATA: {root} is not a directory (expected an ImageFolder root with train/ and val/)"
+            f"DATA: {root} is not a directory (expected an ImageFolder root with train/ and val/, "
+            f"or a packed set's {INDEX})"
         )
-    return FolderSource(root, config.max_image_pixels)
+    return FolderSource(root, max_pixels)
 
 
 def check_same_classes(train: Split, val: Split) -> None:

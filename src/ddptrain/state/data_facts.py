@@ -1,9 +1,10 @@
 """Resume on the data a checkpoint was trained on: its image counts and file lists must match.
 
 A checkpoint records, per split, the image count and a digest of the sorted file list with
-labels (`Data.facts`). Resumed on other data, a run would continue a data order that no longer
-exists: a shrunk set would even leave a mid-epoch position past the epoch's end. Checkpoints
-written before these facts existed resume unchecked, but for that position.
+labels (`Data.facts`), and a packed set's shard sizes. Resumed on other data, a run would
+continue a data order that no longer exists: a shrunk set would even leave a mid-epoch position
+past the epoch's end. Checkpoints written before these facts existed resume unchecked, but for
+that position.
 """
 
 from pathlib import Path
@@ -31,7 +32,30 @@ def check_same_data(saved: dict, data_facts: dict, path: Path) -> None:
                 f"({now['images']}), but other files (renamed, replaced or moved between "
                 "classes): resume on the same data, or start afresh in another --out-dir"
             )
+        _check_shards(then.get("shards"), now.get("shards"), split, path)
     _check_position(saved, data_facts, path)
+
+
+def _check_shards(then: dict | None, now: dict | None, split: str, path: Path) -> None:
+    """A packed set's shards, by size: the same images packed again (another --max-side, a
+    shard replaced) keep their names and count. A checkpoint of a folder resumes on the set
+    packed from it (neither has the other's shards to compare)."""
+    if not then or not now:
+        return
+    for shard in sorted(then.keys() | now.keys()):
+        was, size = then.get(shard), now.get(shard)
+        if was != size:
+            if was is None:
+                change = "it was not in the data trained on"
+            elif size is None:
+                change = f"it had {was} bytes and is gone now"
+            else:
+                change = f"it had {was} bytes and has {size} now"
+            raise UserError(
+                f"--resume: DATA's {split} shard {shard} changed since {path} was trained "
+                f"({change}; packed again, or replaced): resume on the same data, or start "
+                "afresh in another --out-dir"
+            )
 
 
 def _check_position(saved: dict, data_facts: dict, path: Path) -> None:

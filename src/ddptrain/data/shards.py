@@ -1,0 +1,207 @@
+"""DATA as a packed set (`ddptrain pack`): tar shards and the index that locates each image in
+them (data/shard_index.py), read by random access, so the sampler's seeded global order, exact
+evaluation and bitwise resume hold as on a folder.
+
+Shard bytes are read through one small reader (`LocalFiles`: size and read). Shard paths stay
+strings, joined to the set's root with "/", so a reader of URLs can stand in for it.
+"""
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ddptrain.config import MAX_IMAGE_PIXELS
+from ddptrain.data import folder, shard_index
+from ddptrain.data.shard_index import INDEX, SplitIndex
+from ddptrain.data.split import SPLITS, Split
+from ddptrain.errors import UserError
+
+OPEN_SHARDS = 64  # handles a process keeps: well below the usual limit of 1024 descriptors
+
+
+class LocalFiles:
+    """Shards on a file system. Each process keeps its own handles to the shards it read last
+    (not one open per sample), and opens its own after a fork: a loader worker never shares
+    its parent's. Stateless itself, so a dataset holding it pickles for any start method."""
+
+    def size(self, path: str) -> int | None:
+        """The file's size, None when there is none."""
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            raise UserError(f"cannot read {path}: {err.strerror}") from None
+
+    def read(self, path: str, offset: int, size: int) -> bytes:
+        """size bytes from offset; fewer where the file ends before."""
+        try:
+            return os.pread(_handle(path), size, offset)
+        except OSError as err:
+            raise UserError(f"cannot read {path}: {err.strerror}") from None
+
+
+_handles: OrderedDict[str, int] = OrderedDict()  # path -> descriptor, least recently used first
+_owner = os.getpid()
+
+
+def _handle(path: str) -> int:
+    global _owner
+    if _owner != os.getpid():  # a forked child: close its copies of the parent's
+        for fd in _handles.values():
+            os.close(fd)
+        _handles.clear()
+        _owner = os.getpid()
+    if path in _handles:
+        _handles.move_to_end(path)
+        return _handles[path]
+    if len(_handles) >= OPEN_SHARDS:
+        os.close(_handles.popitem(last=False)[1])
+    _handles[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    return _handles[path]
+
+
+@dataclass(frozen=True, eq=False)
+class ShardSource:
+    """DATA as a packed set: index.json and its shards, below `root` (a folder)."""
+
+    root: str
+    index: shard_index.Index
+    max_pixels: int = MAX_IMAGE_PIXELS
+    reader: LocalFiles = field(default_factory=LocalFiles)
+    index_name: str = INDEX
+
+    @classmethod
+    def open(cls, root: str, index_name: str = INDEX, max_pixels: int = MAX_IMAGE_PIXELS):
+        reader = LocalFiles()
+        where = _join(root, index_name)
+        size = reader.size(where)
+        if size is None:
+            raise UserError(f"DATA: {where} does not exist")
+        index = shard_index.parse(reader.read(where, 0, size), where)
+        return cls(root, index, max_pixels, reader, index_name)
+
+    @property
+    def where(self) -> str:
+        return _join(self.root, self.index_name)
+
+    def present(self) -> list[str]:
+        """The splits the set holds."""
+        return [split for split in SPLITS if split in self.index.splits]
+
+    def split(self, name: str, transform=None, leave_out: frozenset[str] = frozenset()) -> Split:
+        """leave_out: sample names (`names`) the image check found bad, left out."""
+        part = self._checked(name)
+        if leave_out:
+            part = self._leave_out(name, part, leave_out)
+        labels = part.label.tolist()
+        facts = {
+            "images": len(part),
+            "digest": folder.digest(zip(part.names, labels, strict=True)),
+            "shards": dict(zip(part.shards, part.shard_bytes, strict=True)),
+        }
+        classes = {c: i for i, c in enumerate(self.index.classes)}
+        images = PackedImages(self, part, transform)
+        return Split(images, classes, f"{self.where} ({name})", facts)
+
+    def names(self, splits=SPLITS, say=lambda line, stderr=False: None) -> list[str]:
+        """The samples of splits as `split/name` (name: the image's path in the folder it was
+        packed from), in the order training reads them."""
+        return [f"{split}/{n}" for split in splits for n in self._checked(split).names]
+
+    def problem(self, name: str) -> str | None:
+        """Why sample `name` cannot be used, or None when it decodes."""
+        part, i = self._find(name)
+        encoded, why = self._read(part, i)
+        return why or folder.encoded_problem(encoded, self.max_pixels)
+
+    def shown(self, name: str) -> str:
+        return self.shown_at(*self._find(name))
+
+    def shard_path(self, part: SplitIndex, i: int) -> str:
+        return _join(self.root, part.shards[part.shard[i]])
+
+    def load(self, part: SplitIndex, i: int) -> torch.Tensor:
+        """Sample i of part decoded (as an image file is: folder.decode_rgb)."""
+        encoded, why = self._read(part, i)
+        if why:
+            raise UserError(f"{self.shard_path(part, i)}: {why}")
+        return folder.decode_rgb(encoded, self.shown_at(part, i), self.max_pixels)
+
+    def shown_at(self, part: SplitIndex, i: int) -> str:
+        return f"{part.names[i]} in {self.shard_path(part, i)}"
+
+    def _read(self, part: SplitIndex, i: int) -> tuple[bytes, str | None]:
+        offset, size = int(part.offset[i]), int(part.size[i])
+        encoded = self.reader.read(self.shard_path(part, i), offset, size)
+        if len(encoded) == size:
+            return encoded, None
+        return encoded, (
+            f"ends before image {part.names[i]} (bytes {offset} to {offset + size}): cut short "
+            "since it was packed; pack it again"
+        )
+
+    def _checked(self, split: str) -> SplitIndex:
+        """The split's index, once each of its shards is there with the size the index says:
+        a shard cut short or replaced is named before any loader reads it."""
+        part = self.index.splits.get(split)
+        if part is None:
+            raise UserError(f"DATA: {self.where} holds no {split} split")
+        for shard, expected in zip(part.shards, part.shard_bytes, strict=True):
+            path = _join(self.root, shard)
+            size = self.reader.size(path)
+            if size is None:
+                raise UserError(f"DATA: shard {path} is missing (listed in {self.where})")
+            if size != expected:
+                raise UserError(
+                    f"DATA: shard {path} has {size} bytes, and {self.where} says {expected}: "
+                    "cut short or replaced since it was packed; pack it again"
+                )
+        return part
+
+    def _find(self, name: str) -> tuple[SplitIndex, int]:
+        split, _, inside = name.partition("/")
+        return self.index.splits[split], self._positions[split][inside]
+
+    @cached_property
+    def _positions(self) -> dict[str, dict[str, int]]:
+        """Each split's sample positions by name: the image check's lookups."""
+        return {s: {n: i for i, n in enumerate(p.names)} for s, p in self.index.splits.items()}
+
+    def _leave_out(self, split: str, part: SplitIndex, names: frozenset[str]) -> SplitIndex:
+        """Without the samples named (`split/name`); the others keep their order."""
+        keep = np.array([f"{split}/{n}" not in names for n in part.names], dtype=bool)
+        kept = part.select(keep)
+        emptied = sorted(set(part.label.tolist()) - set(kept.label.tolist()))
+        if emptied:  # as a folder's emptied class is refused (folder.leave_out)
+            raise UserError(
+                f"--bad-images skip leaves no {split} image of class "
+                f"{self.index.classes[emptied[0]]} in {self.where} ({len(emptied)} class(es) "
+                "emptied): every image of it is bad; replace them"
+            )
+        return kept
+
+
+class PackedImages(Dataset):
+    """A split of a packed set: (uint8 RGB image, label), the transform applied."""
+
+    def __init__(self, source: ShardSource, part: SplitIndex, transform=None):
+        self.source, self.part, self.transform = source, part, transform
+
+    def __len__(self) -> int:
+        return len(self.part)
+
+    def __getitem__(self, i: int):
+        image = self.source.load(self.part, i)
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, int(self.part.label[i])
+
+
+def _join(root: str, relative: str) -> str:
+    return f"{root.rstrip('/')}/{relative}" if root else relative
