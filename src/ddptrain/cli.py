@@ -7,6 +7,8 @@ from ddptrain.config import (
     HELP_GROUPS,
     MAX_IMAGE_PIXELS,
     MEMORY_SETTINGS,
+    PACK_QUALITY,
+    PACK_SHARD_MB,
     OptimSettings,
     flag_name,
     settings,
@@ -108,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="an image whose header declares more pixels is bad (a decompression bomb; "
         "default: %(default)s, PIL's)",
     )
+    _add_pack_flags(
+        commands.add_parser("pack", help="an ImageFolder as tar shards (WebDataset) + an index")
+    )
     _add_plot_flags(commands.add_parser("plot", help="draw runs' loss, accuracy, lr, samples/s"))
     _add_export_flags(
         commands.add_parser("export", help="a checkpoint's weights as .safetensors + .json")
@@ -122,6 +127,47 @@ def build_parser() -> argparse.ArgumentParser:
 def train_parser() -> argparse.ArgumentParser:
     """The parser of `ddptrain train` alone (its flags are eval's too)."""
     return build_parser()._subparsers._group_actions[0].choices["train"]
+
+
+def _add_pack_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "data",
+        metavar="DATA",
+        help="ImageFolder root with train/ and val/ (with --index-only: the folder of shards)",
+    )
+    p.add_argument("out", nargs="?", metavar="OUT", help="the packed set's folder")
+    p.add_argument(
+        "--max-side",
+        type=int,
+        metavar="PX",
+        help="shrink images whose longer side is above PX, never enlarge (default: every "
+        "image stored byte for byte)",
+    )
+    p.add_argument(
+        "--quality",
+        type=int,
+        default=PACK_QUALITY,
+        metavar="Q",
+        help="JPEG quality of the JPEGs --max-side shrinks (default: %(default)s)",
+    )
+    p.add_argument(
+        "--shard-size",
+        type=float,
+        default=PACK_SHARD_MB,
+        metavar="MB",
+        help="bytes of a shard, in millions (default: %(default)s)",
+    )
+    p.add_argument("-j", "--workers", type=int, help="reading processes (default: the usable CPUs)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace the packed set (or index) there"
+    )
+    p.add_argument(
+        "--index-only",
+        action="store_true",
+        help="write just DATA/index.json for shards made elsewhere: DATA/train/*.tar and "
+        "DATA/val/*.tar of <key>.<image ext> + <key>.cls members; class names from "
+        "DATA/classes.txt, else the indices",
+    )
 
 
 def _add_plot_flags(p: argparse.ArgumentParser) -> None:
@@ -178,11 +224,12 @@ def parse(argv: list[str] | None = None) -> tuple[str, object]:
     """Returns ("train", (Config, Layers)) for train and eval (config_layers.merge: the settings,
     and what the file and the flags gave), ("synth", (SynthSpec, OUT)) for synth,
     ("plot", (RUN_DIRs, out or None)), ("export", (CKPT, out)), ("convert", (SRC, DST)),
-    ("check", {"data", "workers", "max_image_pixels"}) and ("plan", PlanRequest)."""
+    ("check", {"data", "workers", "max_image_pixels"}), ("pack", {"data", "out", ...: pack's
+    flags}) and ("plan", PlanRequest)."""
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     launcher_local_rank = args.pop("launcher_local_rank")
-    if command == "check":
+    if command in ("check", "pack"):
         return command, args
     if command == "plot":
         return command, (args["run_dirs"], args["out"])
@@ -228,6 +275,9 @@ def _run(argv: list[str] | None) -> None:
 
         check_command(**options, say=say, counting=counting)
         return
+    if command == "pack":
+        _pack(options)
+        return
     if command == "plot":
         from ddptrain.report.plot import plot
 
@@ -265,6 +315,25 @@ def _run(argv: list[str] | None) -> None:
             raise SystemExit(code)
         return
     run.train(config, layers=layers)
+
+
+def _pack(options: dict) -> None:
+    from ddptrain.errors import UserError
+    from ddptrain.report.progress import counting_with_lines, say
+
+    data, out = options.pop("data"), options.pop("out")
+    if options.pop("index_only"):
+        from ddptrain.data.index_shards import index_shards
+
+        if out is not None:
+            raise UserError("pack --index-only takes one folder, the shards' (no OUT)")
+        print(index_shards(data, options["overwrite"], counting_with_lines))
+        return
+    if out is None:
+        raise UserError("pack needs DATA and OUT (or --index-only SHARDS_ROOT)")
+    from ddptrain.data.pack import pack
+
+    print(pack(data, out, **options, say=say, counting=counting_with_lines))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,9 @@ CHECKPOINT_FORMATS = ("full", "sharded")
 BAD_IMAGES = ("error", "skip")
 # PIL's own default limit (1024 * 1024 * 1024 // 4 // 3): about a 9,500 px square.
 MAX_IMAGE_PIXELS = 89_478_485
+# `ddptrain pack`: shards of about 256 MB (WebDataset's advice: 100 MB to 1 GB); the JPEG
+# quality of images --max-side shrinks.
+PACK_SHARD_MB, PACK_QUALITY = 256, 90
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 # Train crop of the built-in dataset, whose images are 40 px; real data gets ImageNet's 224.
 BUILTIN_IMAGE_SIZE = 32
@@ -168,7 +171,10 @@ class DataSettings:
     """DATA, how it is loaded, the train and val transforms, and the checks of its images."""
 
     root: str | None = _flag(
-        None, "ImageFolder root with train/ and val/ (default: built-in)", key="data"
+        None,
+        "ImageFolder root with train/ and val/, or a packed set (`ddptrain pack`) (default: "
+        "built-in)",
+        key="data",
     )
     workers: int = _flag(4, "data loading workers per rank", "-j", "--workers", invocation=True)
     dummy: bool = _flag(False, "use random fake data (throughput tests)")

@@ -136,6 +136,26 @@ def counting(total: int, what: str, unit: str) -> Iterator[Callable[[int], None]
         yield bar.update
 
 
+@contextlib.contextmanager
+def counting_with_lines(total: int, what: str, unit: str) -> Iterator[Callable[[int], None]]:
+    """counting's bar on a terminal; elsewhere (a log, a pipe) a plain line on stderr at each
+    tenth of the work, for work that takes long enough to want one (packing a data set)."""
+    if sys.stderr.isatty():
+        with counting(total, what, unit) as advance:
+            yield advance
+        return
+    done = tenths = 0
+
+    def advance(n: int) -> None:
+        nonlocal done, tenths
+        done += n
+        if 10 * done // max(total, 1) > tenths:
+            tenths = 10 * done // max(total, 1)
+            say(f"{what}: {done}/{total} {unit} ({100 * done // max(total, 1)}%)", stderr=True)
+
+    yield advance
+
+
 def make_progress(mode: str, stream=None):
     stream = stream or sys.stdout
     if mode == "auto":
