@@ -31,3 +31,14 @@ def _isolated_cache(cache_env):
 def tiny_data(tmp_path_factory):
     """3 classes, 24 train and 15 val images of 24 px: an uneven val set for 2 and 4 ranks."""
     return write(TINY, tmp_path_factory.mktemp("data") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_packed(tiny_data, tmp_path_factory):
+    """tiny_data packed (`ddptrain pack`, byte for byte) into shards of about 20 kB: 4 train
+    shards and 2 val shards, so that batches and val shards cross shard boundaries."""
+    from ddptrain.data.pack import pack
+
+    out = tmp_path_factory.mktemp("packed") / "tiny"
+    pack(str(tiny_data), str(out), shard_size=0.02, workers=0)
+    return out

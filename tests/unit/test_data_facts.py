@@ -57,3 +57,20 @@ def test_a_checkpoint_without_facts_resumes_unless_its_position_is_past_the_end(
     check_same_data(old, {"train": {"images": 16, "digest": "d"}}, tmp_path / "ckpt.pt")
     with pytest.raises(UserError, match=r"step 2 of an epoch, and an epoch of DATA's 9 train"):
         check_same_data(old, {"train": {"images": 9, "digest": "d"}}, tmp_path / "ckpt.pt")
+
+
+def test_a_changed_shard_of_a_packed_set_is_named(tmp_path):
+    """The same images packed again (other shard sizes, --max-side) keep count and digest."""
+    shards = {"train/000000.tar": 20480, "train/000001.tar": 10240}
+    then = {"train": {"images": 24, "digest": "d", "shards": shards}}
+    check_same_data(checkpoint(then), then, tmp_path / "ckpt.pt")
+    folder = {"train": {"images": 24, "digest": "d"}}  # a folder's checkpoint, on its pack
+    check_same_data(checkpoint(folder), then, tmp_path / "ckpt.pt")
+    for now, change in (
+        ({**shards, "train/000001.tar": 30720}, "it had 10240 bytes and has 30720 now"),
+        ({"train/000000.tar": 20480}, "it had 10240 bytes and is gone now"),
+        ({**shards, "train/000002.tar": 512}, "train/000002.tar changed since .* \\(it was not"),
+    ):
+        facts = {"train": {"images": 24, "digest": "d", "shards": now}}
+        with pytest.raises(UserError, match=f"DATA's train shard .*{change}"):
+            check_same_data(checkpoint(then), facts, tmp_path / "ckpt.pt")

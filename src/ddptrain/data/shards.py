@@ -30,13 +30,16 @@ class LocalFiles:
     its parent's. Stateless itself, so a dataset holding it pickles for any start method."""
 
     def size(self, path: str) -> int | None:
-        """The file's size, None when there is none."""
+        """The file's size, None when there is none. Asked of every shard as a split is made:
+        a handle kept to a file since replaced at that path (packed again) is let go."""
         try:
-            return os.stat(path).st_size
+            found = os.stat(path)
         except FileNotFoundError:
             return None
         except OSError as err:
             raise UserError(f"cannot read {path}: {err.strerror}") from None
+        _forget_if_replaced(path, found)
+        return found.st_size
 
     def read(self, path: str, offset: int, size: int) -> bytes:
         """size bytes from offset; fewer where the file ends before."""
@@ -50,6 +53,12 @@ _handles: OrderedDict[str, int] = OrderedDict()  # path -> descriptor, least rec
 _owner = os.getpid()
 
 
+def _forget_if_replaced(path: str, found: os.stat_result) -> None:
+    fd = _handles.get(path) if _owner == os.getpid() else None
+    if fd is not None and not os.path.samestat(os.fstat(fd), found):
+        os.close(_handles.pop(path))
+
+
 def _handle(path: str) -> int:
     global _owner
     if _owner != os.getpid():  # a forked child: close its copies of the parent's
@@ -60,7 +69,7 @@ def _handle(path: str) -> int:
     if path in _handles:
         _handles.move_to_end(path)
         return _handles[path]
-    if len(_handles) >= OPEN_SHARDS:
+    while len(_handles) >= OPEN_SHARDS:
         os.close(_handles.popitem(last=False)[1])
     _handles[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     return _handles[path]
