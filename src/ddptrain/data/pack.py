@@ -67,19 +67,10 @@ def pack(
     workers = usable_cores() if workers is None else workers
     entries, unshrunk = {}, []
     for name, split in splits.items():
-        images = split.dataset  # a folder.ImageFolder
-        names, labels = folder.relative_paths(images), images.targets
-        encoded = _Encoded([path for path, _ in images.samples], max_side, quality)
-        loader = Loader(encoded, batch_size=CHUNK, num_workers=workers, collate_fn=list)
-        samples = (sample for batch in loader for sample in batch)  # in order, whatever -j
-        writer = _ShardWriter(destination / name, name, int(shard_size * MB), len(names))
-        with writer, counting(len(names), f"packing {name}", "img") as advance:
-            for i, (image, ext, problem) in enumerate(samples):
-                writer.add(ext, image, labels[i], names[i])
-                if problem:
-                    unshrunk.append((f"{name}/{names[i]}", problem))
-                advance(1)
-        entries[name] = writer.entries
+        reading = _Encoded([path for path, _ in split.dataset.samples], max_side, quality)
+        loader = Loader(reading, batch_size=CHUNK, num_workers=workers, collate_fn=list)
+        writer = _ShardWriter(destination / name, name, int(shard_size * MB), len(reading))
+        entries[name] = _write_split(split.dataset, loader, writer, counting, unshrunk)
     _remove_stale(destination, entries)
     classes = list(next(iter(splits.values())).class_to_idx)
     atomic_write(destination / shard_index.INDEX, shard_index.dumps(classes, entries))
@@ -93,6 +84,20 @@ def pack(
     counts = ", ".join(f"{sum(len(e['samples']) for e in s)} {n}" for n, s in entries.items())
     shards = sum(len(s) for s in entries.values())
     return f"packed {counts} images of {len(classes)} classes into {shards} shards in {out}"
+
+
+def _write_split(images, loader, writer, counting, unshrunk: list) -> list[dict]:
+    """The split's samples (a folder.ImageFolder's) into its shards; returns their index
+    entries, and adds to `unshrunk` the images --max-side could not shrink."""
+    names, labels = folder.relative_paths(images), images.targets
+    samples = (sample for batch in loader for sample in batch)  # in order, whatever -j
+    with writer, counting(len(names), f"packing {writer.split}", "img") as advance:
+        for i, (image, ext, problem) in enumerate(samples):
+            writer.add(ext, image, labels[i], names[i])
+            if problem:
+                unshrunk.append((f"{writer.split}/{names[i]}", problem))
+            advance(1)
+    return writer.entries
 
 
 def _check_numbers(max_side, quality, shard_size, workers) -> None:

@@ -7,6 +7,7 @@ strings, joined to the set's root with "/", so a reader of URLs can stand in for
 """
 
 import os
+import resource
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -21,7 +22,15 @@ from ddptrain.data.shard_index import INDEX, SplitIndex
 from ddptrain.data.split import SPLITS, Split
 from ddptrain.errors import UserError
 
-OPEN_SHARDS = 64  # handles a process keeps: well below the usual limit of 1024 descriptors
+
+def _open_shards() -> int:
+    """Handles a process keeps: enough for ImageNet's 550 shards of 256 MB (random access
+    reads them all in turn), half the process's open-file limit at most."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 1024 if soft == resource.RLIM_INFINITY else max(8, min(1024, soft // 2))
+
+
+OPEN_SHARDS = _open_shards()
 
 
 class LocalFiles:
@@ -86,8 +95,15 @@ class ShardSource:
     index_name: str = INDEX
 
     @classmethod
-    def open(cls, root: str, index_name: str = INDEX, max_pixels: int = MAX_IMAGE_PIXELS):
-        reader = LocalFiles()
+    def open(
+        cls,
+        root: str,
+        index_name: str = INDEX,
+        max_pixels: int = MAX_IMAGE_PIXELS,
+        reader: LocalFiles | None = None,
+    ) -> "ShardSource":
+        """The set whose index is root/index_name, read and checked (shard_index.parse)."""
+        reader = reader or LocalFiles()
         where = _join(root, index_name)
         size = reader.size(where)
         if size is None:
@@ -121,7 +137,9 @@ class ShardSource:
     def names(self, splits=SPLITS, say=lambda line, stderr=False: None) -> list[str]:
         """The samples of splits as `split/name` (name: the image's path in the folder it was
         packed from), in the order training reads them."""
-        return [f"{split}/{n}" for split in splits for n in self._checked(split).names]
+        names = [f"{split}/{n}" for split in splits for n in self._checked(split).names]
+        self._positions  # noqa: B018 (made here, once, not in each checking worker)
+        return names
 
     def problem(self, name: str) -> str | None:
         """Why sample `name` cannot be used, or None when it decodes."""
