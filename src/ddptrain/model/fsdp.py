@@ -1,11 +1,11 @@
-"""FSDP2 for torchvision models: which modules become their own shard group, and the wrapping.
+"""FSDP2: which modules of a model become their own shard group, and the wrapping.
 
 Each block of the network is a unit: its parameters are gathered just before its forward and
 freed after (but the last block's, which backward needs first: see `shard`), so a rank holds the
 whole of one block at a time and a shard of the rest. The rule:
 
-1. the blocks torchvision builds its models from (`BLOCKS`: ResNet's BasicBlock and Bottleneck,
-   ViT's EncoderBlock, ConvNeXt's CNBlock, Swin, MobileNet, ShuffleNet, MNASNet, RegNet,
+1. the blocks the models are built from (model/providers.py: ResNet's BasicBlock and
+   Bottleneck, ViT's EncoderBlock, ConvNeXt's CNBlock, Swin, MobileNet, ShuffleNet, MNASNet, RegNet,
    EfficientNet, MaxViT and DenseNet blocks), outermost first (a block inside a block is not
    a unit of its own);
 2. a model with none of them: each child of its `features` and `classifier` stacks that holds
@@ -34,41 +34,11 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import distribute_tensor
-from torchvision.models import (
-    convnext,
-    densenet,
-    efficientnet,
-    maxvit,
-    mnasnet,
-    mobilenetv2,
-    mobilenetv3,
-    regnet,
-    resnet,
-    shufflenetv2,
-    swin_transformer,
-    vision_transformer,
-)
 
 from ddptrain.distributed.collectives import broadcast_buffers
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
-
-BLOCKS = (
-    resnet.BasicBlock,
-    resnet.Bottleneck,
-    vision_transformer.EncoderBlock,
-    convnext.CNBlock,
-    swin_transformer.SwinTransformerBlock,  # SwinTransformerBlockV2 is a subclass
-    mobilenetv2.InvertedResidual,
-    mobilenetv3.InvertedResidual,
-    shufflenetv2.InvertedResidual,
-    mnasnet._InvertedResidual,
-    regnet.ResBottleneckBlock,
-    efficientnet.MBConv,
-    efficientnet.FusedMBConv,
-    maxvit.MaxVitBlock,
-    densenet._DenseBlock,
-)
+from ddptrain.model import providers
 
 
 def _holds_parameters(module: nn.Module) -> bool:
@@ -77,10 +47,11 @@ def _holds_parameters(module: nn.Module) -> bool:
 
 def _outermost_blocks(model: nn.Module) -> list[nn.Module]:
     units: list[nn.Module] = []
+    blocks = providers.blocks()
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
-            if isinstance(child, BLOCKS):
+            if isinstance(child, blocks):
                 units.append(child)
             else:
                 visit(child)
