@@ -28,9 +28,9 @@ from ddptrain.config import Config
 from ddptrain.data.loaders import Data
 from ddptrain.distributed.env import init_distributed, teardown_distributed
 from ddptrain.model.build import build_model
-from ddptrain.model.comm_hooks import HOOKS
-from ddptrain.model.parallelize import Communication, wrap
 from ddptrain.model.precision import resolve_precision
+from ddptrain.parallel.comm_hooks import HOOKS
+from ddptrain.parallel.parallelize import Communication, wrap
 from ddptrain.train.optim import build_optimizer
 
 TARGET, STRETCH = 1.8, 1.9

@@ -440,7 +440,7 @@ class OptimSettings:
 
 @dataclass(frozen=True)
 class ParallelSettings:
-    """How the model is spread over the ranks (model/parallelize.py, fsdp.py, comm_hooks.py)."""
+    """How the model is spread over the ranks (parallel/parallelize.py, fsdp.py, comm_hooks.py)."""
 
     strategy: str = _flag(
         "ddp",

@@ -25,7 +25,7 @@ from ddptrain.data.sources import Source, open_source
 from ddptrain.distributed.collectives import agree, from_rank0
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
-from ddptrain.model.parallelize import will_shard
+from ddptrain.parallel.parallelize import will_shard
 from ddptrain.report.progress import counting, say
 from ddptrain.report.records import require_tensorboard
 from ddptrain.report.reporter import warn

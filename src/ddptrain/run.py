@@ -22,9 +22,10 @@ from ddptrain.distributed.phases import Phases
 from ddptrain.distributed.threads import too_many_workers, usable_cores
 from ddptrain.errors import Stopped, first_line, peer_lost, report
 from ddptrain.faults import Faults
-from ddptrain.model import fsdp
 from ddptrain.model.build import build_model, load_pretrained
-from ddptrain.model.parallelize import (
+from ddptrain.model.precision import DTYPES, Precision, resolve_precision
+from ddptrain.parallel import fsdp
+from ddptrain.parallel.parallelize import (
     Communication,
     builds_on_meta,
     checkpoint_parts,
@@ -34,7 +35,6 @@ from ddptrain.model.parallelize import (
     will_shard,
     wrap,
 )
-from ddptrain.model.precision import DTYPES, Precision, resolve_precision
 from ddptrain.report.profile import StepProfiler
 from ddptrain.report.progress import say
 from ddptrain.report.reporter import Reporter

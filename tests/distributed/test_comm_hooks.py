@@ -9,7 +9,7 @@ import torch
 from harness import run_ranks
 from torch import nn
 
-from ddptrain.model.parallelize import Communication, checkpoint_parts, unwrap, wrap
+from ddptrain.parallel.parallelize import Communication, checkpoint_parts, unwrap, wrap
 from ddptrain.state.checkpointer import Checkpointer, TrainState, training_parts
 from ddptrain.state.files import LATEST, load
 

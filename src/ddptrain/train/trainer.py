@@ -20,8 +20,8 @@ from ddptrain.distributed.env import DistEnv
 from ddptrain.distributed.phases import Phases
 from ddptrain.errors import Stopped, UserError
 from ddptrain.faults import Faults
-from ddptrain.model.parallelize import reshard_gathered, unwrap
 from ddptrain.model.precision import Precision
+from ddptrain.parallel.parallelize import reshard_gathered, unwrap
 from ddptrain.report.metrics import Sums, summarize
 from ddptrain.report.profile import StepProfiler
 from ddptrain.report.progress import shown

@@ -2,7 +2,7 @@
 
 ddp keeps a whole copy of the model, its gradients and optimizer state on every rank and
 all-reduces gradients; fsdp (FSDP2) shards all three and gathers each block just in time (see
-model/fsdp.py). One rank runs the plain model under either: there is nothing to shard.
+parallel/fsdp.py). One rank runs the plain model under either: there is nothing to shard.
 """
 
 import contextlib
@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddptrain.config import Config
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
-from ddptrain.model import comm_hooks, fsdp
+from ddptrain.parallel import comm_hooks, fsdp
 
 STRATEGIES = ("ddp", "fsdp")
 ONE_BUCKET_MB = 1 << 20  # a bucket cap no model reaches
