@@ -26,7 +26,6 @@ from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.precision import DTYPES, Precision, resolve_precision
 from ddptrain.parallel import fsdp
 from ddptrain.parallel.parallelize import (
-    Communication,
     builds_on_meta,
     checkpoint_parts,
     compile_model,
@@ -161,7 +160,7 @@ def _build(
         strategy=config.parallel.strategy,
         **sharding,
         reshard_after_forward=config.parallel.reshard_after_forward,
-        comm=Communication.of(config),
+        comm=config.parallel,
         example=None if config.checkpoint.evaluate else _example(config, precision, env.device),
         place=lambda built: precision.place(built, env.device),
     )

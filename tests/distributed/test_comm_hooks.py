@@ -9,7 +9,8 @@ import torch
 from harness import run_ranks
 from torch import nn
 
-from ddptrain.parallel.parallelize import Communication, checkpoint_parts, unwrap, wrap
+from ddptrain.config import ParallelSettings
+from ddptrain.parallel.parallelize import checkpoint_parts, unwrap, wrap
 from ddptrain.state.checkpointer import Checkpointer, TrainState, training_parts
 from ddptrain.state.files import LATEST, load
 
@@ -22,7 +23,9 @@ def model_and_optimizer(env, hook: str, shared_shapes: bool = False, laid_out: b
     torch.manual_seed(0)
     net = shared_shapes_net() if shared_shapes else small_net()
     buckets = None if hook == "powersgd" else SMALL_BUCKETS  # powersgd: one bucket on gloo
-    comm = Communication(hook, powersgd_rank=2, powersgd_start_step=2, bucket_cap_mb=buckets)
+    comm = ParallelSettings(
+        ddp_comm_hook=hook, powersgd_rank=2, powersgd_start_step=2, bucket_cap_mb=buckets
+    )
     # As run.py wraps: DDP's buckets laid out before the first step, as a resumed run meets them.
     example = torch.zeros(2, 3, 16, 16) if laid_out else None
     model = wrap(net, env, comm=comm, example=example)
