@@ -228,3 +228,14 @@ def test_without_pyarrow_the_extra_is_named(tiny_parquet, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(UserError, match=r"needs pyarrow: pip install 'ddptrain\[tables\]'"):
         open_source(Config(data=str(tiny_parquet)))
+
+
+def test_loader_workers_read_the_same_batches(tiny_parquet):
+    """Each worker opens the files itself (forked with none open): the same batches as -j 0."""
+    batches = []
+    for workers in (0, 2):
+        config = Config(data=str(tiny_parquet), batch_size=8, workers=workers, image_size=16)
+        data = build_data(config, ONE, open_source(config), seed=3)
+        batches.append([*data.train_loader, *data.val_loader])
+    for (images, targets), (expected, expected_targets) in zip(*batches, strict=True):
+        assert torch.equal(images, expected) and torch.equal(targets, expected_targets)
