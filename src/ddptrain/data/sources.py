@@ -99,6 +99,7 @@ class DummySource:
         return Split(dataset, classes, "--dummy", {"images": len(dataset), "digest": None})
 
 
+# A string for type checkers alone: TableSource is imported where DATA is a table set.
 Source = "FolderSource | TableSource | DummySource"
 
 
