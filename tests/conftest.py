@@ -9,6 +9,8 @@ import pytest
 # Tests share two cores: one thread per process keeps multi-rank tests from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from table_data import table_dataset  # noqa: E402
+
 from ddptrain.data.synth import SynthSpec, write  # noqa: E402
 
 TINY = SynthSpec(classes=3, train_per_class=8, val_per_class=5, size=24, seed=0)
@@ -90,3 +92,28 @@ def http_server():
     for server in servers:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture(scope="session")
+def tiny_parquet(tiny_data, tmp_path_factory):
+    """tiny_data as a Parquet table set, written by datasets: train in two files of row groups
+    of 4 rows, val in one; the rows in the folder's order, the images its files' bytes."""
+    out = tmp_path_factory.mktemp("tables") / "parquet"
+    train, val = table_dataset(tiny_data, "train"), table_dataset(tiny_data, "val")
+    train.select(range(10)).to_parquet(out / "train" / "part-0.parquet", batch_size=4)
+    train.select(range(10, len(train))).to_parquet(out / "train" / "part-1.parquet", batch_size=4)
+    val.to_parquet(out / "val" / "part-0.parquet")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset_dict(tiny_data, tmp_path_factory):
+    """tiny_data as a DatasetDict saved with save_to_disk, splits train and validation."""
+    import datasets
+
+    out = tmp_path_factory.mktemp("tables") / "saved"
+    splits = {"train": "train", "validation": "val"}
+    datasets.DatasetDict({k: table_dataset(tiny_data, v) for k, v in splits.items()}).save_to_disk(
+        out
+    )
+    return out

@@ -29,7 +29,7 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from ddptrain.config import Config
-from ddptrain.data.sources import SPLITS, FolderSource, check_same_classes, open_source
+from ddptrain.data.sources import SPLITS, Source, check_same_classes, open_source, source_at
 from ddptrain.data.workers import Loader
 from ddptrain.distributed.collectives import agree, check_same, gather_from_all
 from ddptrain.distributed.env import DistEnv
@@ -51,7 +51,7 @@ def _uncounted(total: int, what: str, unit: str):
 class _Problems(Dataset):
     """Why each sample is bad, or None: decoding happens in the DataLoader's workers."""
 
-    def __init__(self, source: FolderSource, names: list[str]):
+    def __init__(self, source: Source, names: list[str]):
         self.source, self.names = source, names
 
     def __len__(self) -> int:
@@ -65,7 +65,7 @@ class _Problems(Dataset):
 
 
 def find_bad(
-    source: FolderSource, names: list[str], workers: int, counting=_uncounted
+    source: Source, names: list[str], workers: int, counting=_uncounted
 ) -> list[tuple[str, str]]:
     """(name, reason) for each of the source's samples `names` that cannot be used, in order,
     counted on the caller's `counting` bar as they are checked."""
@@ -81,7 +81,13 @@ def find_bad(
 
 
 def check_command(
-    data: str, workers: int | None, max_image_pixels: int, say=_quiet, counting=_uncounted
+    data: str,
+    workers: int | None,
+    max_image_pixels: int,
+    image_column: str = "image",
+    label_column: str = "label",
+    say=_quiet,
+    counting=_uncounted,
 ) -> None:
     """`ddptrain check DATA`: says every bad image on stdout, then raises a UserError (exit 2)
     when there is one; else says that all decode."""
@@ -90,17 +96,13 @@ def check_command(
         raise UserError(f"-j/--workers must be at least 0, got {workers}")
     if max_image_pixels < 1:
         raise UserError(f"--max-image-pixels must be at least 1, got {max_image_pixels}")
-    if not root.is_dir():
-        raise UserError(f"DATA: {root} is not a directory (expected train/ and val/)")
-    splits = [split for split in SPLITS if (root / split).is_dir()]
-    if not splits:
-        raise UserError(f"DATA: {root} holds neither train/ nor val/")
-    source = FolderSource(root, max_image_pixels)
+    source = source_at(root, max_image_pixels, image_column, label_column)
+    splits = [split for split in SPLITS if source.has(split)]
     files = source.names(splits, say)
     workers = usable_cores() if workers is None else workers
     bad = find_bad(source, files, workers, counting)
     for path, reason in bad:
-        say(f"{root / path}: {reason}")
+        say(f"{source.shown(path)}: {reason}")
     if bad:
         raise UserError(
             f"{len(bad)} of {len(files)} images in {root} are bad ({_per_split(bad, files)}), "
@@ -141,7 +143,7 @@ def images_to_leave_out(
     skip = config.bad_images == "skip"
     for path, reason in bad:
         what = "warning: --bad-images skip: leaving out" if skip else "bad image"
-        say(f"{what} {root / path}: {reason}", stderr=True)
+        say(f"{what} {source.shown(path)}: {reason}", stderr=True)
     if bad and not skip:
         raise UserError(
             f"--verify-images: {len(bad)} of {len(files)} images in {root} are bad "

@@ -41,18 +41,42 @@ def load_rgb(path: str, max_pixels: int | None = MAX_IMAGE_PIXELS) -> torch.Tens
     try:
         return _read_rgb(path, max_pixels)
     except _Unreadable as err:
-        # Found as the loader reaches it, a val image after a whole epoch: say how to find
-        # them all before training, or train without them.
-        raise UserError(
-            f"cannot read image {path}: {err} (`ddptrain check DATA` lists every bad image; "
-            "--bad-images skip trains without them)"
-        ) from None
+        raise _cannot_read(path, err) from None
+
+
+def decode_rgb(
+    encoded: bytes, name: str, max_pixels: int | None = MAX_IMAGE_PIXELS
+) -> torch.Tensor:
+    """Encoded image bytes (a table's cell) as load_rgb decodes a file's, with the same size
+    check; `name` says which image in messages."""
+    try:
+        return _decode(encoded, max_pixels)
+    except _Unreadable as err:
+        raise _cannot_read(name, err) from None
+
+
+def _cannot_read(name: str, err: _Unreadable) -> UserError:
+    # Found as the loader reaches it, a val image after a whole epoch: say how to find them
+    # all before training, or train without them.
+    return UserError(
+        f"cannot read image {name}: {err} (`ddptrain check DATA` lists every bad image; "
+        "--bad-images skip trains without them)"
+    )
 
 
 def image_problem(path: str, max_pixels: int | None = MAX_IMAGE_PIXELS) -> str | None:
     """Why load_rgb would refuse path, or None when it decodes."""
     try:
         _read_rgb(path, max_pixels)
+    except _Unreadable as err:
+        return str(err)
+    return None
+
+
+def decode_problem(encoded: bytes, max_pixels: int | None = MAX_IMAGE_PIXELS) -> str | None:
+    """Why decode_rgb would refuse the bytes, or None when they decode."""
+    try:
+        _decode(encoded, max_pixels)
     except _Unreadable as err:
         return str(err)
     return None
@@ -66,6 +90,10 @@ def _read_rgb(path: str, max_pixels: int | None) -> torch.Tensor:
             encoded = f.read()
     except OSError as err:
         raise _Unreadable(err.strerror) from None
+    return _decode(encoded, max_pixels)
+
+
+def _decode(encoded: bytes, max_pixels: int | None) -> torch.Tensor:
     _check_size(encoded, max_pixels)
     if encoded.startswith((b"GIF87a", b"GIF89a")):
         return _decode_with_pil(encoded)  # its first frame only

@@ -1,5 +1,5 @@
 """Where a run's images come from, chosen by what DATA is: an image folder (the built-in data set
-is one) or, with --dummy, random images.
+is one), a table set (data/tables.py) or, with --dummy, random images.
 
 A source gives each split as a `Split`: a Dataset of (uint8 RGB image, class index) pairs with
 the transform applied, its classes, and what a checkpoint records of it (`facts`: count and
@@ -10,6 +10,7 @@ know sources only through this, so another form of DATA is one more class here.
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch.utils.data import Dataset
 from torchvision import datasets
@@ -19,6 +20,9 @@ from ddptrain.config import MAX_IMAGE_PIXELS, Config
 from ddptrain.data import folder
 from ddptrain.data.synth import ensure_builtin
 from ddptrain.errors import UserError
+
+if TYPE_CHECKING:  # tables.py builds on Split, and is imported when DATA is a table set
+    from ddptrain.data.tables import TableSource
 
 SPLITS = ("train", "val")
 DUMMY_SIZES, DUMMY_CLASSES = {"train": 1_281_167, "val": 50_000}, 1000  # ImageNet's
@@ -63,6 +67,9 @@ class FolderSource:
             names += [f"{split}/{path}" for path in folder.relative_paths(dataset)]
         return names
 
+    def has(self, split: str) -> bool:
+        return (self.root / split).is_dir()
+
     def problem(self, name: str) -> str | None:
         """Why sample `name` cannot be used, or None when it decodes."""
         return folder.image_problem(str(self.root / name), self.max_pixels)
@@ -92,7 +99,8 @@ class DummySource:
         return Split(dataset, classes, "--dummy", {"images": len(dataset), "digest": None})
 
 
-Source = FolderSource | DummySource
+# A string for type checkers alone: TableSource is imported where DATA is a table set.
+Source = "FolderSource | TableSource | DummySource"
 
 
 def open_source(config: Config, log=None) -> Source:
@@ -101,12 +109,28 @@ def open_source(config: Config, log=None) -> Source:
         return DummySource(config.image_size)
     if config.data.root is None:
         return FolderSource(ensure_builtin(log=log), config.max_image_pixels)
-    root = Path(config.data.root)
+    data = config.data
+    return source_at(Path(data.root), data.max_image_pixels, data.image_column, data.label_column)
+
+
+def source_at(
+    root: Path, max_pixels: int, image_column: str = "image", label_column: str = "label"
+) -> "FolderSource | TableSource":
+    """The source of DATA `root`, by what it holds: Parquet files in train/ or val/, or
+    dataset_dict.json, make a table set; train/ or val/ folders an image folder."""
+    from ddptrain.data import tables  # here: tables.py imports Split from this module
+
+    expected = (
+        "expected train/ and val/ holding class folders or Parquet files, or a datasets "
+        "DatasetDict's dataset_dict.json"
+    )
     if not root.is_dir():
-        raise UserError(
-            f"DATA: {root} is not a directory (expected an ImageFolder root with train/ and val/)"
-        )
-    return FolderSource(root, config.max_image_pixels)
+        raise UserError(f"DATA: {root} is not a directory ({expected})")
+    if tables.is_table_set(root):
+        return tables.TableSource(root, max_pixels, image_column, label_column)
+    if not any((root / split).is_dir() for split in SPLITS):
+        raise UserError(f"DATA: {root} is neither an image folder nor a table set ({expected})")
+    return FolderSource(root, max_pixels)
 
 
 def check_same_classes(train: Split, val: Split) -> None:
@@ -114,6 +138,6 @@ def check_same_classes(train: Split, val: Split) -> None:
         only_train = sorted(set(train.class_to_idx) - set(val.class_to_idx))
         only_val = sorted(set(val.class_to_idx) - set(train.class_to_idx))
         raise UserError(
-            f"class folders of {train.where} and {val.where} differ: only in train: "
+            f"the classes of {train.where} and {val.where} differ: only in train: "
             f"{only_train or 'none'}; only in val: {only_val or 'none'}"
         )
