@@ -34,8 +34,8 @@ from ddptrain.data.loaders import Data
 from ddptrain.distributed.env import init_distributed, teardown_distributed
 from ddptrain.errors import first_line
 from ddptrain.model.build import build_model
-from ddptrain.model.parallelize import wrap
 from ddptrain.model.precision import DTYPES, resolve_precision
+from ddptrain.parallel.parallelize import wrap
 from ddptrain.tools.plan import PlanRequest, plan
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.step import Step

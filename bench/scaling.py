@@ -3,7 +3,7 @@ against 1 rank with 1 thread, same global batch, once per DDP gradient communica
 (--ddp-comm-hook none, bf16, fp16, powersgd).
 
 Each rank runs ddptrain's own pieces (distributed.init, the model, precision, DDP wrapping with
-its Communication, trainer.train_epoch) on uint8 batches preloaded in memory, so data loading
+its ParallelSettings, trainer.train_epoch) on uint8 batches preloaded in memory, so data loading
 is not what is measured: the figure is compute plus gradient all-reduce. resnet18 at 224 px,
 --amp bf16 where the CPU has bf16 units, else fp32 (common.native_amp; --amp to choose).
 Another contender runs the 2 ranks without DDP (no gradient all-reduce): what the two cores
@@ -24,13 +24,13 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from bench import common
 from bench.bound import Preloaded, random_batches, train_epochs
-from ddptrain.config import Config
+from ddptrain.config import Config, ParallelSettings
 from ddptrain.data.loaders import Data
 from ddptrain.distributed.env import init_distributed, teardown_distributed
 from ddptrain.model.build import build_model
-from ddptrain.model.comm_hooks import HOOKS
-from ddptrain.model.parallelize import Communication, wrap
 from ddptrain.model.precision import resolve_precision
+from ddptrain.parallel.comm_hooks import HOOKS
+from ddptrain.parallel.parallelize import wrap
 from ddptrain.train.optim import build_optimizer
 
 TARGET, STRETCH = 1.8, 1.9
@@ -96,7 +96,7 @@ def rank_main(
         )
         model = precision.place(model, env.device)
         if hook is not None:
-            comm = Communication(hook=hook, powersgd_start_step=POWERSGD_START)
+            comm = ParallelSettings(ddp_comm_hook=hook, powersgd_start_step=POWERSGD_START)
             model = wrap(model, env, gpu_pinned=False, comm=comm)
         optimizer, scheduler = build_optimizer(model, config.optim)
         feed = Data(batches, Preloaded([WARMUP_STEPS, steps]), [], 0, {})

@@ -1,9 +1,15 @@
+import functools
+import http.server
+import io
 import os
+import threading
 
 import pytest
 
 # Tests share two cores: one thread per process keeps multi-rank tests from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from table_data import table_dataset  # noqa: E402
 
 from ddptrain.data.synth import SynthSpec, write  # noqa: E402
 
@@ -31,6 +37,86 @@ def _isolated_cache(cache_env):
 def tiny_data(tmp_path_factory):
     """3 classes, 24 train and 15 val images of 24 px: an uneven val set for 2 and 4 ranks."""
     return write(TINY, tmp_path_factory.mktemp("data") / "tiny")
+
+
+class _Files(http.server.SimpleHTTPRequestHandler):
+    """A static file server; `ranges`: answers Range requests with 206 (Python's own handler
+    ignores them, as plain static servers do); `failures`: that many requests answered 503
+    first, as an overloaded server."""
+
+    ranges, failures = True, [0]
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def send_head(self):
+        if self.failures[0] > 0:
+            self.failures[0] -= 1
+            self.send_error(503, "busy")
+            return None
+        wanted = self.headers.get("Range")
+        path = self.translate_path(self.path)
+        if not (self.ranges and wanted and os.path.isfile(path)):
+            return super().send_head()
+        start, end = (int(x) for x in wanted.removeprefix("bytes=").split("-"))
+        with open(path, "rb") as f:
+            f.seek(start)
+            body = f.read(end - start + 1)
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/*")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        return io.BytesIO(body)
+
+
+@pytest.fixture
+def http_server():
+    """serve(root, ranges=True, failures=0) -> the base URL of a real HTTP server on 127.0.0.1
+    for the files under root, running until the test ends."""
+    servers = []
+
+    def serve(root, ranges: bool = True, failures: int = 0) -> str:
+        handler = type(
+            "Handler",
+            (_Files,),
+            {"ranges": ranges, "failures": [failures]},
+        )
+        server = http.server.ThreadingHTTPServer(
+            ("127.0.0.1", 0), functools.partial(handler, directory=str(root))
+        )
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_port}"
+
+    yield serve
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="session")
+def tiny_parquet(tiny_data, tmp_path_factory):
+    """tiny_data as a Parquet table set, written by datasets: train in two files of row groups
+    of 4 rows, val in one; the rows in the folder's order, the images its files' bytes."""
+    out = tmp_path_factory.mktemp("tables") / "parquet"
+    train, val = table_dataset(tiny_data, "train"), table_dataset(tiny_data, "val")
+    train.select(range(10)).to_parquet(out / "train" / "part-0.parquet", batch_size=4)
+    train.select(range(10, len(train))).to_parquet(out / "train" / "part-1.parquet", batch_size=4)
+    val.to_parquet(out / "val" / "part-0.parquet")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset_dict(tiny_data, tmp_path_factory):
+    """tiny_data as a DatasetDict saved with save_to_disk, splits train and validation."""
+    import datasets
+
+    out = tmp_path_factory.mktemp("tables") / "saved"
+    splits = {"train": "train", "validation": "val"}
+    datasets.DatasetDict({k: table_dataset(tiny_data, v) for k, v in splits.items()}).save_to_disk(
+        out
+    )
+    return out
 
 
 @pytest.fixture(scope="session")

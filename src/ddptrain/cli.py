@@ -98,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--size", type=int, default=s.size, help="image side in px")
     synth.add_argument("--seed", type=int, default=s.seed)
     check = commands.add_parser("check", help="decode every image of DATA, list the bad ones")
-    check.add_argument("data", metavar="DATA", help="ImageFolder root with train/ and val/")
+    check.add_argument(
+        "data", metavar="DATA", help="ImageFolder root with train/ and val/, or a table set"
+    )
     check.add_argument(
         "-j", "--workers", type=int, help="decoding processes (default: the usable CPUs)"
     )
@@ -110,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="an image whose header declares more pixels is bad (a decompression bomb; "
         "default: %(default)s, PIL's)",
     )
+    fields = settings()
+    for name in ("image_column", "label_column"):  # as train takes them
+        _add_flag(check, name, fields[name])
+        check.set_defaults(**{name: fields[name].default})
     _add_pack_flags(
         commands.add_parser("pack", help="an ImageFolder as tar shards (WebDataset) + an index")
     )
@@ -224,8 +230,8 @@ def parse(argv: list[str] | None = None) -> tuple[str, object]:
     """Returns ("train", (Config, Layers)) for train and eval (config_layers.merge: the settings,
     and what the file and the flags gave), ("synth", (SynthSpec, OUT)) for synth,
     ("plot", (RUN_DIRs, out or None)), ("export", (CKPT, out)), ("convert", (SRC, DST)),
-    ("check", {"data", "workers", "max_image_pixels"}), ("pack", {"data", "out", ...: pack's
-    flags}) and ("plan", PlanRequest)."""
+    ("check", {"data", "workers", "max_image_pixels", "image_column", "label_column"}),
+    ("pack", {"data", "out", ...: pack's flags}) and ("plan", PlanRequest)."""
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     launcher_local_rank = args.pop("launcher_local_rank")

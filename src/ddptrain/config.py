@@ -97,10 +97,10 @@ HELP_GROUPS = {
         "no_accel",
     ),
     "ddptrain's own": (
-        "out_dir", "image_size", "nproc_per_node", "device", "local_rank", "dist_timeout",
-        "checkpoint_every", "keep_last", "checkpoint_format", "amp", "channels_last", "compile",
-        "strategy", "fsdp_offload", "reshard_after_forward", "ddp_comm_hook", "powersgd_rank",
-        "powersgd_start_step", "bucket_cap_mb", "static_graph",
+        "out_dir", "image_size", "image_column", "label_column", "nproc_per_node", "device",
+        "local_rank", "dist_timeout", "checkpoint_every", "keep_last", "checkpoint_format", "amp",
+        "channels_last", "compile", "strategy", "fsdp_offload", "reshard_after_forward",
+        "ddp_comm_hook", "powersgd_rank", "powersgd_start_step", "bucket_cap_mb", "static_graph",
     ),
     "augmentation (train and val transforms)": (
         "crop_scale", "crop_ratio", "hflip", "auto_augment", "ra_magnitude", "random_erase",
@@ -172,10 +172,12 @@ class DataSettings:
 
     root: str | None = _flag(
         None,
-        "ImageFolder root with train/ and val/, or a packed set (`ddptrain pack`) (default: "
-        "built-in)",
+        "ImageFolder root with train/ and val/, a packed set (`ddptrain pack`), or a table set "
+        "(default: built-in)",
         key="data",
     )
+    image_column: str = _flag("image", "a table set's column of encoded images", metavar="NAME")
+    label_column: str = _flag("label", "a table set's column of class labels", metavar="NAME")
     workers: int = _flag(4, "data loading workers per rank", "-j", "--workers", invocation=True)
     dummy: bool = _flag(False, "use random fake data (throughput tests)")
     image_size: int | None = _flag(
@@ -236,6 +238,12 @@ class DataSettings:
             }
         )
         _not_empty("DATA", self.root)
+        columns = (self.image_column, self.label_column)
+        if not all(columns) or self.image_column == self.label_column:
+            raise UserError(
+                f"--image-column {self.image_column!r} and --label-column "
+                f"{self.label_column!r} must name two different columns"
+            )
         low, high = self.crop_scale
         if not 0 < low <= high <= 1:
             raise UserError(f"--crop-scale MIN MAX needs 0 < MIN <= MAX <= 1, got {low} {high}")
@@ -446,7 +454,7 @@ class OptimSettings:
 
 @dataclass(frozen=True)
 class ParallelSettings:
-    """How the model is spread over the ranks (model/parallelize.py, fsdp.py, comm_hooks.py)."""
+    """How the model is spread over the ranks (parallel/parallelize.py, fsdp.py, comm_hooks.py)."""
 
     strategy: str = _flag(
         "ddp",

@@ -25,7 +25,7 @@ from ddptrain.data.sources import Source, open_source
 from ddptrain.distributed.collectives import agree, from_rank0
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
-from ddptrain.model.parallelize import will_shard
+from ddptrain.parallel.parallelize import will_shard
 from ddptrain.report.progress import counting, say
 from ddptrain.report.records import require_tensorboard
 from ddptrain.report.reporter import warn
@@ -60,7 +60,7 @@ class Resolved:
         EMA's warm-up)."""
         if self.saved is not None:
             return TrainState.from_checkpoint(self.saved)
-        epoch = self.config.start_epoch
+        epoch = self.config.checkpoint.start_epoch
         return TrainState(epoch=epoch, global_step=epoch * steps_per_epoch)
 
 
@@ -69,27 +69,30 @@ def resolve(config: Config, layers: Layers, env: DistEnv, locked=lambda: None) -
     collective: every rank calls it. `locked()` is called once this run holds its out-dir."""
     check_batch_divides_early(config, layers, env.world_size)
     check_offload_clipping(config, env)
-    out_dir = Path(config.out_dir)
-    if not config.evaluate:  # one run per out-dir, before anything reads or writes it
+    out_dir = Path(config.checkpoint.out_dir)
+    if not config.checkpoint.evaluate:  # one run per out-dir, before anything reads or writes it
         unlocked = agree(env, lambda: lock_out_dir(out_dir) if env.is_main else None)
         if unlocked:  # a file system without locks
             warn(env, unlocked)
     locked()
     seed = from_rank0(env, lambda: _data_seed(config))
     resume = from_rank0(
-        env, lambda: find_resume(config.resume, out_dir, config.evaluate, lambda w: warn(env, w))
+        env,
+        lambda: find_resume(
+            config.checkpoint.resume, out_dir, config.checkpoint.evaluate, lambda w: warn(env, w)
+        ),
     )
     # --verify-images, --bad-images skip: of DATA as given or as the resumed run's
     data = config.data.root
-    if data is None and resume is not None and config.checks_images:
+    if data is None and resume is not None and config.data.checks_images:
         data = from_rank0(env, lambda: saved_data(resume))
     checked = config.replace(data=data)
     leave_out = images_to_leave_out(checked, env, say, counting)
     resolved = agree(
         env, lambda: _resolve_here(config, layers, env, out_dir, seed, resume, leave_out)
     )
-    if resolved.config.seed is not None:
-        seed_everything(resolved.config.seed, env)
+    if resolved.config.optim.seed is not None:
+        seed_everything(resolved.config.optim.seed, env)
     return resolved
 
 
@@ -104,21 +107,23 @@ def _resolve_here(
 ) -> Resolved:
     """What may fail on some ranks only. No collectives in here."""
     if env.is_main:
-        check_out_dir(out_dir, resume, config.evaluate, config.resume == "auto")
+        check_out_dir(
+            out_dir, resume, config.checkpoint.evaluate, config.checkpoint.resume == "auto"
+        )
     saved = None if resume is None else load_resumed(resume)
     if saved is not None:
         seed = int(saved.get("data_seed", seed))
         given, config = config, resumed(config, layers, saved.get("config"))
-        if not config.evaluate:  # evaluating another batch or other data is fine
+        if not config.checkpoint.evaluate:  # evaluating another batch or other data is fine
             check_position(saved, config)
             check_same_leave_out(given, config, resume)
         check_offload_clipping(config, env)  # with the checkpoint's settings too
     config = settled(config)
     config.check_batch_divides(env.world_size)  # -b is the checkpoint's unless given
-    if config.tensorboard and not config.evaluate:  # eval writes no events
+    if config.report.tensorboard and not config.checkpoint.evaluate:  # eval writes no events
         require_tensorboard()  # on every rank, so that every rank stops when it is missing
     flags = layers.on_command_line
-    kept = None if saved is None or config.evaluate else kept_seed(config, saved, flags)
+    kept = None if saved is None or config.checkpoint.evaluate else kept_seed(config, saved, flags)
     warnings = [line for line in [*inert_flags(config, flags), kept] if line]
     if saved is not None:
         done = TrainState.from_checkpoint(saved)
@@ -126,9 +131,9 @@ def _resolve_here(
             f"resumed from {resume} (epoch {done.epoch}, step {done.epoch_step} of the next, "
             f"best acc1 {done.best_acc1:.2f})"
         ]
-    elif config.evaluate and not config.pretrained:
+    elif config.checkpoint.evaluate and not config.model.pretrained:
         raise UserError(f"--evaluate: no checkpoint to evaluate in {out_dir}")
-    elif config.resume == "auto":
+    elif config.checkpoint.resume == "auto":
         notes = [f"--resume auto: no checkpoint in {out_dir}, starting fresh"]
     else:
         notes = []
@@ -150,8 +155,8 @@ def check_offload_clipping(config: Config, env: DistEnv) -> None:
     under --fsdp-offload, over the device's process group: NCCL has no CPU backend, so every
     rank would fail at the first step ("No backend type associated with device type cpu",
     pytorch/pytorch#148532). Refused before anything starts. On the CPU the group is gloo's."""
-    offloaded = config.fsdp_offload and will_shard(env, config.strategy)
-    if offloaded and config.clip_grad_norm is not None and env.device.type != "cpu":
+    offloaded = config.parallel.fsdp_offload and will_shard(env, config.parallel.strategy)
+    if offloaded and config.optim.clip_grad_norm is not None and env.device.type != "cpu":
         raise UserError(
             f"--clip-grad-norm does not run with --fsdp-offload on {env.device.type}: torch "
             "sums the offloaded gradients' norms over the device's process group, which takes "
@@ -161,7 +166,7 @@ def check_offload_clipping(config: Config, env: DistEnv) -> None:
 
 def _data_seed(config: Config) -> int:
     """--seed, or a fresh random one."""
-    return config.seed if config.seed is not None else secrets.randbits(62)
+    return config.optim.seed if config.optim.seed is not None else secrets.randbits(62)
 
 
 def seed_everything(seed: int, env: DistEnv) -> None:

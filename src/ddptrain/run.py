@@ -22,10 +22,10 @@ from ddptrain.distributed.phases import Phases
 from ddptrain.distributed.threads import too_many_workers, usable_cores
 from ddptrain.errors import Stopped, first_line, peer_lost, report
 from ddptrain.faults import Faults
-from ddptrain.model import fsdp
 from ddptrain.model.build import build_model, load_pretrained
-from ddptrain.model.parallelize import (
-    Communication,
+from ddptrain.model.precision import DTYPES, Precision, resolve_precision
+from ddptrain.parallel import fsdp
+from ddptrain.parallel.parallelize import (
     builds_on_meta,
     checkpoint_parts,
     compile_model,
@@ -34,7 +34,6 @@ from ddptrain.model.parallelize import (
     will_shard,
     wrap,
 )
-from ddptrain.model.precision import DTYPES, Precision, resolve_precision
 from ddptrain.report.profile import StepProfiler
 from ddptrain.report.progress import say
 from ddptrain.report.reporter import Reporter
@@ -100,7 +99,7 @@ def _train(
     run = _build(resolved, env, phases, stop, faults)
     state = run.state
     try:
-        if config.evaluate:
+        if config.checkpoint.evaluate:
             return _evaluate_only(run, state)
         # rank 0 rewrites files there: a failure must end every rank
         agree(env, lambda: _go_on_from(state, resolved, env, run.reporter))
@@ -112,7 +111,9 @@ def _train(
         if run.profiler is not None:
             run.profiler.close()
             if run.profiler.written:
-                run.reporter.info(f"--profile {config.profile}: trace in {run.profiler.path}")
+                run.reporter.info(
+                    f"--profile {config.report.profile}: trace in {run.profiler.path}"
+                )
         run.reporter.close()
 
 
@@ -137,24 +138,30 @@ def _build(
     position = resolved.start(loaders.steps_per_epoch)
     _check_same_everywhere(env, resolved, loaders, position, precision)
 
-    if config.pretrained and saved is None:
+    if config.model.pretrained and saved is None:
         _load_pretrained(model, config, loaders, env, reporter)
     parameters = sum(p.numel() for p in model.parameters())
     # Under fsdp the EMA averages into a twin of the model, sharded alike: its structure is
     # copied before sharding, as FSDP2 refuses to copy a sharded model.
     structure = (
-        fsdp.meta_copy(model) if config.model_ema and will_shard(env, config.strategy) else None
+        fsdp.meta_copy(model)
+        if config.optim.model_ema and will_shard(env, config.parallel.strategy)
+        else None
     )
-    sharding = dict(arch=config.arch, amp_dtype=DTYPES[precision.amp], offload=config.fsdp_offload)
+    sharding = dict(
+        arch=config.model.arch,
+        amp_dtype=DTYPES[precision.amp],
+        offload=config.parallel.fsdp_offload,
+    )
     model = wrap(
         model,
         env,
-        gpu_pinned=config.gpu is not None,
-        strategy=config.strategy,
+        gpu_pinned=config.launch.gpu is not None,
+        strategy=config.parallel.strategy,
         **sharding,
-        reshard_after_forward=config.reshard_after_forward,
-        comm=Communication.of(config),
-        example=None if config.evaluate else _example(config, precision, env.device),
+        reshard_after_forward=config.parallel.reshard_after_forward,
+        comm=config.parallel,
+        example=None if config.checkpoint.evaluate else _example(config, precision, env.device),
         place=lambda built: precision.place(built, env.device),
     )
     steps_per_epoch = loaders.steps_per_epoch
@@ -178,10 +185,10 @@ def _build(
         parts,
         meta,
         record,
-        config.keep_last,
-        sharded_format=config.checkpoint_format == "sharded",
+        config.checkpoint.keep_last,
+        sharded_format=config.checkpoint.checkpoint_format == "sharded",
         mark=phases.within_step,
-        every=config.checkpoint_every,
+        every=config.checkpoint.checkpoint_every,
     )
     state = _restore(checkpointer, saved, scheduler, position)
     if ema is not None and saved is not None and "model_ema" not in saved:
@@ -200,7 +207,7 @@ def _build(
         reporter=reporter,
         seed=resolved.seed,
         precision=precision,
-        checkpointer=None if config.evaluate else checkpointer,
+        checkpointer=None if config.checkpoint.evaluate else checkpointer,
         stop=stop,
         criterion=build_criterion(config.optim, loaders.num_classes),
         ema=ema,
@@ -236,16 +243,16 @@ def _model(resolved: Resolved, loaders: Data, env: DistEnv) -> torch.nn.Module:
     """The model for the data's classes, checked against the checkpoint it resumes."""
     config, saved, resume = resolved.config, resolved.saved, resolved.resume
     model = build_model(
-        config.arch,
+        config.model.arch,
         loaders.num_classes,
-        config.image_size,
-        config.pretrained,
-        meta=builds_on_meta(env, config.strategy),
+        config.data.image_size,
+        config.model.pretrained,
+        meta=builds_on_meta(env, config.parallel.strategy),
     )
     if saved is not None:
-        check_compatible(saved, resume, config.arch, loaders.class_to_idx)
+        check_compatible(saved, resume, config.model.arch, loaders.class_to_idx)
         check_fits(saved, resume, model)
-        if not config.evaluate:  # evaluating on other data is fine
+        if not config.checkpoint.evaluate:  # evaluating on other data is fine
             check_same_data(saved, loaders.facts, resume)
             check_trainable(saved, resume)
             check_continuable(saved, config, resume)
@@ -261,14 +268,14 @@ def _precision(config: Config, model: torch.nn.Module, env: DistEnv) -> Precisio
 
 def _reporter(resolved: Resolved, env: DistEnv) -> Reporter:
     config = resolved.config
-    done = TrainState.from_checkpoint(resolved.saved or {"epoch": config.start_epoch})
+    done = TrainState.from_checkpoint(resolved.saved or {"epoch": config.checkpoint.start_epoch})
     return Reporter(
         env,
         resolved.out_dir,
-        config.progress,
-        config.tensorboard,
+        config.report.progress,
+        config.report.tensorboard,
         done.global_step,
-        config.evaluate,
+        config.checkpoint.evaluate,
     )
 
 
@@ -278,30 +285,30 @@ def _load_pretrained(model, config: Config, loaders: Data, env: DistEnv, reporte
     classes = sorted(loaders.class_to_idx, key=loaders.class_to_idx.get)
     fresh = load_pretrained(
         model,
-        config.arch,
+        config.model.arch,
         env,
-        source=config.pretrained,
-        classes=classes if config.evaluate else None,
+        source=config.model.pretrained,
+        classes=classes if config.checkpoint.evaluate else None,
     )
     if fresh:
-        origin = "" if config.pretrained is True else f" from {config.pretrained}"
-        reporter.info(f"pretrained {config.arch}{origin}: new weights for {', '.join(fresh)}")
+        origin = "" if config.model.pretrained is True else f" from {config.model.pretrained}"
+        reporter.info(f"pretrained {config.model.arch}{origin}: new weights for {', '.join(fresh)}")
 
 
 def _warn_up_front(config, env, model, optimizer, steps_per_epoch: int, reporter) -> None:
     """What rank 0 says before the first step, while it can still help."""
     if not env.is_main:
         return
-    if not config.evaluate:  # before the first save
-        out_dir = Path(config.out_dir)
+    if not config.checkpoint.evaluate:  # before the first save
+        out_dir = Path(config.checkpoint.out_dir)
         room = checkpoint_bytes(unwrap(model), optimizer)
         for line in (
-            room_warning(out_dir, room, config.keep_last),
+            room_warning(out_dir, room, config.checkpoint.keep_last),
             no_warmup_warning(config.optim, steps_per_epoch),
         ):
             if line:
                 reporter.warn(line)
-    crowded = too_many_workers(config.workers, env.local_world_size, usable_cores())
+    crowded = too_many_workers(config.data.workers, env.local_world_size, usable_cores())
     if crowded:
         reporter.warn(crowded)
 
@@ -324,14 +331,14 @@ def _go_on_from(state: TrainState, resolved: Resolved, env: DistEnv, reporter: R
 
 def _example(config: Config, precision: Precision, device: torch.device) -> torch.Tensor:
     """Two images as training feeds them (two: BatchNorm cannot train on one at 1 x 1)."""
-    size = config.image_size
+    size = config.data.image_size
     return precision.inputs(torch.zeros(2, 3, size, size, dtype=torch.uint8), device)
 
 
 def _profiler(config: Config, env: DistEnv, out_dir: Path) -> StepProfiler | None:
-    if not config.profile or not env.is_main or config.evaluate:
+    if not config.report.profile or not env.is_main or config.checkpoint.evaluate:
         return None
-    return StepProfiler(config.profile, out_dir, env.device)
+    return StepProfiler(config.report.profile, out_dir, env.device)
 
 
 def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
@@ -344,25 +351,25 @@ def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
     if env.device.type == "cuda":
         memory = torch.cuda.get_device_properties(env.device.index).total_memory
     workload = Workload(
-        config.arch,
+        config.model.arch,
         num_classes,
         env.world_size,
-        config.batch_size // env.world_size,
-        config.image_size,
+        config.optim.batch_size // env.world_size,
+        config.data.image_size,
         amp,
         **{name: getattr(config, name) for name in MEMORY_SETTINGS},
     )
     try:
         line = plan_line(
             workload,
-            config.strategy,
+            config.parallel.strategy,
             memory,
             # The other ranks wait for rank 0 in their first collective, for --dist-timeout.
-            seconds=config.dist_timeout / 2,
+            seconds=config.launch.dist_timeout / 2,
         )
     except Exception as err:  # planning is advice: a model it cannot trace still trains
         return f"plan: not available ({first_line(err)})"
-    if config.fsdp_offload:  # a trace holds everything on one device
+    if config.parallel.fsdp_offload:  # a trace holds everything on one device
         line += "; --fsdp-offload keeps the model state in host memory, not on the device"
     return line
 
@@ -392,7 +399,7 @@ def _records(config: Config, env: DistEnv, loaders: Data, precision, seed: int, 
     # The resolved precision, so a resumed run keeps it unless flags say otherwise.
     settings = {**config.to_dict(), **precision.settings()}
     meta = {
-        "arch": config.arch,
+        "arch": config.model.arch,
         "num_classes": loaders.num_classes,
         "class_to_idx": loaders.class_to_idx,
         "config": settings,
@@ -401,7 +408,7 @@ def _records(config: Config, env: DistEnv, loaders: Data, precision, seed: int, 
     }
     runtime = {
         "world_size": env.world_size,
-        "per_rank_batch": config.batch_size // env.world_size,
+        "per_rank_batch": config.optim.batch_size // env.world_size,
         "device": str(env.device),
         "data_seed": seed,
         "summary": summary,

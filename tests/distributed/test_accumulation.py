@@ -10,9 +10,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.tensor import DTensor
 
-from ddptrain.model import fsdp
-from ddptrain.model.parallelize import no_gradient_sync, unwrap, wrap
 from ddptrain.model.precision import Precision
+from ddptrain.parallel import fsdp
+from ddptrain.parallel.parallelize import no_gradient_sync, unwrap, wrap
 from ddptrain.train.ema import ModelEma
 from ddptrain.train.step import Step
 

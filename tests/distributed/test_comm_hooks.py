@@ -9,7 +9,8 @@ import torch
 from harness import run_ranks
 from torch import nn
 
-from ddptrain.model.parallelize import Communication, checkpoint_parts, unwrap, wrap
+from ddptrain.config import ParallelSettings
+from ddptrain.parallel.parallelize import checkpoint_parts, unwrap, wrap
 from ddptrain.state.checkpointer import Checkpointer, TrainState, training_parts
 from ddptrain.state.files import LATEST, load
 
@@ -18,12 +19,16 @@ STEPS = 6
 SMALL_BUCKETS = 0.002  # MB
 
 
-def model_and_optimizer(env, hook: str, shared_shapes: bool = False):
+def model_and_optimizer(env, hook: str, shared_shapes: bool = False, laid_out: bool = True):
     torch.manual_seed(0)
     net = shared_shapes_net() if shared_shapes else small_net()
     buckets = None if hook == "powersgd" else SMALL_BUCKETS  # powersgd: one bucket on gloo
-    comm = Communication(hook, powersgd_rank=2, powersgd_start_step=2, bucket_cap_mb=buckets)
-    model = wrap(net, env, comm=comm)
+    comm = ParallelSettings(
+        ddp_comm_hook=hook, powersgd_rank=2, powersgd_start_step=2, bucket_cap_mb=buckets
+    )
+    # As run.py wraps: DDP's buckets laid out before the first step, as a resumed run meets them.
+    example = torch.zeros(2, 3, 16, 16) if laid_out else None
+    model = wrap(net, env, comm=comm, example=example)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return model, optimizer
 
@@ -151,14 +156,20 @@ def first_four_powersgd_steps(env, out_dir: str) -> None:
     checkpointer(model, optimizer, env, Path(out_dir)).save(TrainState(global_step=4))
 
 
-def resumed_powersgd(env, out_dir: str, layouts: bool = True) -> tuple[torch.Tensor, list, int]:
+def resumed_powersgd(
+    env, out_dir: str, layouts: bool = True, laid_out: bool = True, memories: bool = True
+) -> tuple[torch.Tensor, list, int]:
     """4 more steps in new processes, from the checkpoint of the first 4, as a restart does;
     the weights, the losses, and the step from which PowerSGD compresses. layouts=False: as if
-    the checkpoint were written before the state's layouts were saved."""
-    fresh, fresh_optimizer = model_and_optimizer(env, "powersgd", shared_shapes=True)
+    the checkpoint were written before the state's layouts were saved. laid_out=False: DDP
+    wrapped without lay_out_buckets, whose first bucket is in the parameters' order.
+    memories=False: the saved state without its error feedback and low-rank memories."""
+    fresh, fresh_optimizer = model_and_optimizer(env, "powersgd", True, laid_out)
     saved = load(Path(out_dir) / LATEST)
     if not layouts:
         del saved["powersgd"]["layouts"]
+    if not memories:
+        saved["powersgd"].update(p_memory={}, q_memory={}, errors_by_rank=None)
     checkpointer(fresh, fresh_optimizer, env, Path(out_dir)).restore(saved)
     start = fresh.powersgd_state.start_powerSGD_iter
     losses = train_steps(fresh, fresh_optimizer, env, range(4, 8))
@@ -172,10 +183,8 @@ def uninterrupted_powersgd(env) -> torch.Tensor:
 
 
 def test_a_resumed_powersgd_run_is_bitwise_the_uninterrupted_one(tmp_path):
-    # The resumed processes' first step has DDP's first bucket layout (the parameters' order),
-    # the saved state the rebuilt one (their gradients' ready order): the state must be moved
-    # parameter by parameter, memories by PowerSGD's shape groups. A state fed as it was
-    # sent a resnet18 non-finite (tests/e2e/test_comm_hook_cli.py resumes one through the CLI).
+    # The resumed processes' first step compresses with the saved state, in the bucket layout
+    # it was saved in (tests/e2e/test_comm_hook_cli.py resumes a resnet18 through the CLI).
     run_ranks(first_four_powersgd_steps, 2, str(tmp_path))
     resumed = run_ranks(resumed_powersgd, 2, str(tmp_path))
     uninterrupted = run_ranks(uninterrupted_powersgd, 2)
@@ -193,3 +202,14 @@ def test_a_checkpoint_without_layouts_resumes_close_with_a_plain_first_step(tmp_
     assert start == 5  # step 4, the first after the resume, all-reduced plainly
     assert all(torch.isfinite(torch.tensor(losses)))
     assert (weights - uninterrupted).abs().max().item() < 5e-2
+
+
+def test_a_state_met_in_another_bucket_order_starts_over(tmp_path):
+    # Saved in the gradients' ready order, read in the parameters' (a DDP not laid out): fed as
+    # it was, it would mix up their errors and memories (it sent a resnet18 non-finite), so
+    # the run goes on as if none had been saved.
+    run_ranks(first_four_powersgd_steps, 2, str(tmp_path))
+    weights, losses, start = run_ranks(resumed_powersgd, 2, str(tmp_path), True, False)[0]
+    without = run_ranks(resumed_powersgd, 2, str(tmp_path), True, False, False)[0]
+    assert start == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert torch.equal(weights, without[0])

@@ -9,8 +9,8 @@ from ddptrain.data.sources import open_source
 from ddptrain.distributed.collectives import agree, check_same, from_rank0, rank0_first
 from ddptrain.errors import UserError
 from ddptrain.model.build import build_model
-from ddptrain.model.parallelize import unwrap, wrap
 from ddptrain.model.precision import Precision
+from ddptrain.parallel.parallelize import unwrap, wrap
 from ddptrain.train import trainer
 from ddptrain.train.step import Step
 

@@ -11,8 +11,8 @@ from test_ddp import bn_free_model, flat_params
 from ddptrain.config import Config
 from ddptrain.data.loaders import build_data
 from ddptrain.data.sources import open_source
-from ddptrain.model.parallelize import unwrap, wrap
 from ddptrain.model.precision import Precision
+from ddptrain.parallel.parallelize import unwrap, wrap
 from ddptrain.report.reporter import Reporter
 from ddptrain.state.checkpointer import Checkpointer, TrainState, training_parts
 from ddptrain.state.files import load

@@ -13,9 +13,9 @@ from ddptrain.config import Config
 from ddptrain.data.loaders import build_data
 from ddptrain.data.sources import open_source
 from ddptrain.model.build import build_model
-from ddptrain.model.fsdp import shard_units
-from ddptrain.model.parallelize import builds_on_meta, is_sharded, unwrap, wrap
 from ddptrain.model.precision import Precision
+from ddptrain.parallel.fsdp import shard_units
+from ddptrain.parallel.parallelize import builds_on_meta, is_sharded, unwrap, wrap
 from ddptrain.state.checkpointer import Checkpointer, ModelState, TrainState, training_parts
 from ddptrain.state.files import load
 from ddptrain.train.step import Step

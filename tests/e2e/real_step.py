@@ -25,8 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ddptrain.config import Config
 from ddptrain.distributed.env import DistEnv
 from ddptrain.model.build import build_model
-from ddptrain.model.parallelize import lay_out_buckets
 from ddptrain.model.precision import resolve_precision
+from ddptrain.parallel.parallelize import lay_out_buckets
 from ddptrain.train.ema import build_ema
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.step import Step

@@ -71,7 +71,7 @@ def test_a_rank_killed_under_torchrun_restarts_and_ends_bitwise_equal(
 def test_three_ranks_killed_and_restarted_end_bitwise_equal(tiny_data, tmp_path):
     """On 3 ranks the all-reduce's sums follow DDP's bucket layout, which DDP re-lays after its
     first backward: a restarted process must reduce its first step as the uninterrupted one
-    did (model/parallelize.py, lay_out_buckets). Before, weights differed by up to 66%."""
+    did (parallel/parallelize.py, lay_out_buckets). Before, weights differed by up to 66%."""
     three = ("-b", 6)  # 2 images a rank, 4 steps an epoch
     straight, out = tmp_path / "straight", tmp_path / "run"
     ok(torchrun(3, *args(tiny_data, straight), *three))

@@ -22,7 +22,7 @@ from cli import (
 from test_user_errors import assert_user_error
 
 from ddptrain.data.pack import pack
-from ddptrain.data.sources import open_data
+from ddptrain.data.sources import source_at
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def bad_packed(tiny_data, tmp_path_factory):
 def test_check_names_each_bad_image_with_its_shard(bad_packed):
     result = ddptrain("check", bad_packed, "-j", 2)
     assert result.returncode == 2, result.stderr
-    source = open_data(str(bad_packed))
+    source = source_at(bad_packed)
     assert result.stdout.splitlines() == [
         f"{source.shown(CORRUPT)}: not an image in a format torchvision or PIL reads",
         f"{source.shown(TRUNCATED)}: image file is truncated",
@@ -93,7 +93,7 @@ def test_check_names_each_bad_image_with_its_shard(bad_packed):
 
 def test_a_bad_image_stops_training_in_one_line_and_skip_trains_without_it(bad_packed, tmp_path):
     stopped = ddptrain("train", *tiny_args(bad_packed, tmp_path / "stopped"), "-j", 2)
-    source = open_data(str(bad_packed))
+    source = source_at(bad_packed)
     assert_user_error(stopped, f"cannot read image {source.shown(CORRUPT)}: not an image")
     skipped = ok(
         torchrun(2, "train", *tiny_args(bad_packed, tmp_path / "run"), "--bad-images", "skip")

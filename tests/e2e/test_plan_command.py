@@ -50,7 +50,7 @@ def test_plan_json_matches_a_measured_ddp_step(run):
     assert ddp["activations"] == pytest.approx(measured["activations"], rel=0.02)
     assert ddp["peak"] == pytest.approx(measured["peak"], rel=0.02)
     # The peak is a steady step's: DDP rebuilds its buckets before training, before the optimizer
-    # holds its momentum (model.parallelize.lay_out_buckets), in the run as in the plan, and the
+    # holds its momentum (parallel.parallelize.lay_out_buckets), in the run as in the plan, and the
     # first step (which the plan does not trace) holds no more, accumulating too (its gradients
     # are in the buckets from the start).
     assert ddp["peak"] == ddp["step_peak"] > ddp["bucket_rebuild"]

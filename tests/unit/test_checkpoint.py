@@ -14,7 +14,7 @@ from ddptrain.config import Config
 from ddptrain.config_layers import resumed
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
-from ddptrain.model.parallelize import unwrap
+from ddptrain.parallel.parallelize import unwrap
 from ddptrain.state import files, sharded
 from ddptrain.state.checkpointer import (
     FORMAT_VERSION,

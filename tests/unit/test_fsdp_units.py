@@ -7,7 +7,7 @@ from torch import nn
 from ddptrain.config import Config
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
-from ddptrain.model.fsdp import shard, shard_units
+from ddptrain.parallel.fsdp import shard, shard_units
 from ddptrain.resolve import check_offload_clipping
 
 

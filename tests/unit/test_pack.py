@@ -15,7 +15,7 @@ from PIL import Image
 from ddptrain.data import folder, pack
 from ddptrain.data.index_shards import index_shards
 from ddptrain.data.shards import ShardSource
-from ddptrain.data.sources import open_data
+from ddptrain.data.sources import source_at
 from ddptrain.errors import UserError
 
 
@@ -88,7 +88,7 @@ def test_a_packed_set_is_not_packed_over_without_overwrite(tiny_data, tiny_packe
     # Bigger shards: the earlier set's extra shards go, so that a glob finds this set alone.
     pack.pack(str(tiny_data), str(out), shard_size=1, workers=0, overwrite=True)
     assert sorted(p.name for p in (out / "train").iterdir()) == ["000000.tar"]
-    assert len(open_data(str(out)).split("train").dataset) == 24
+    assert len(source_at(out).split("train").dataset) == 24
 
 
 def test_a_pack_that_fails_leaves_no_index_and_no_partial_shard(tiny_data, tmp_path, monkeypatch):
@@ -104,7 +104,7 @@ def test_a_pack_that_fails_leaves_no_index_and_no_partial_shard(tiny_data, tmp_p
         pack.pack(str(tiny_data), str(tmp_path / "out"), shard_size=0.02, workers=0)
     left = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*"))
     assert "index.json" not in left and not [p for p in left if "partial" in p]
-    assert not isinstance(open_data(str(tmp_path / "out")), ShardSource)  # not a set
+    assert not isinstance(source_at(tmp_path / "out"), ShardSource)  # not a set
 
 
 def test_bad_numbers_and_a_packed_data_are_refused(tiny_packed, tmp_path):
@@ -115,7 +115,7 @@ def test_bad_numbers_and_a_packed_data_are_refused(tiny_packed, tmp_path):
     ):
         with pytest.raises(UserError, match=message):
             pack.pack(str(tiny_packed), str(tmp_path / "out"), **flags)
-    with pytest.raises(UserError, match="is a packed set already"):
+    with pytest.raises(UserError, match="is not an image folder"):
         pack.pack(str(tiny_packed), str(tmp_path / "out"))
 
 
@@ -145,7 +145,7 @@ def test_max_side_shrinks_longer_images_only(tmp_path):
         workers=0,
         say=lambda *a, **k: said.append(a[0]),
     )
-    source = open_data(str(tmp_path / "out"))
+    source = source_at(tmp_path / "out")
     part = source.index.splits["train"]
     members = [m.name for m in members_of(tmp_path / "out" / "train" / "000000.tar")][::2]
     assert members == ["000000.png", "000001.jpg", "000002.jpg", "000003.png"]
@@ -173,7 +173,7 @@ def test_index_only_indexes_shards_made_elsewhere(tiny_packed, tmp_path):
     (shards / "index.json").unlink()
     line = index_shards(str(shards))
     assert line == f"indexed 24 train, 15 val images of 3 classes in {shards / 'index.json'}"
-    ours, theirs = open_data(str(tiny_packed)), open_data(str(shards))
+    ours, theirs = source_at(tiny_packed), source_at(shards)
     assert theirs.index.classes == ["0", "1", "2"]  # no classes.txt
     mine, found = ours.index.splits["train"], theirs.index.splits["train"]
     assert found.names[:2] == ["000000.tar/000000.png", "000000.tar/000001.png"]
@@ -183,7 +183,7 @@ def test_index_only_indexes_shards_made_elsewhere(tiny_packed, tmp_path):
         index_shards(str(shards))
     (shards / "classes.txt").write_text("arrow\nbar\ncircle\n")
     index_shards(str(shards), overwrite=True)
-    assert open_data(str(shards)).index.classes == ["arrow", "bar", "circle"]
+    assert source_at(shards).index.classes == ["arrow", "bar", "circle"]
 
 
 def tar_of(members: dict[str, bytes]) -> bytes:

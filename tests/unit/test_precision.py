@@ -9,7 +9,6 @@ from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.model import precision
 from ddptrain.model.build import build_model
-from ddptrain.model.parallelize import ReplicaAutocast, unwrap, wrap
 from ddptrain.model.precision import (
     Precision,
     auto_amp,
@@ -18,6 +17,7 @@ from ddptrain.model.precision import (
     resolve_precision,
     strided_single_pixel,
 )
+from ddptrain.parallel.parallelize import ReplicaAutocast, unwrap, wrap
 from ddptrain.train.step import Step
 
 CPU = torch.device("cpu")

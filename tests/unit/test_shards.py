@@ -11,17 +11,17 @@ import torch
 from ddptrain.config import Config
 from ddptrain.data import shards
 from ddptrain.data.loaders import build_data
-from ddptrain.data.sources import FolderSource, open_data, open_source
+from ddptrain.data.sources import FolderSource, open_source, source_at
 from ddptrain.data.transforms import val_transform
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
 
 
 def test_a_packed_set_is_its_folder(tiny_data, tiny_packed):
-    packed, folder = open_data(str(tiny_packed)), open_data(str(tiny_data))
+    packed, folder = source_at(tiny_packed), source_at(tiny_data)
     assert isinstance(packed, shards.ShardSource) and isinstance(folder, FolderSource)
-    assert packed.present() == ["train", "val"]
-    assert open_data(str(tiny_packed / "index.json")).root == str(tiny_packed)  # the file too
+    assert packed.has("train") and packed.has("val")
+    assert source_at(tiny_packed / "index.json").root == str(tiny_packed)  # the file too
     for split in ("train", "val"):
         mine, theirs = packed.split(split), folder.split(split)
         assert mine.class_to_idx == theirs.class_to_idx
@@ -49,7 +49,7 @@ def test_loaders_on_a_packed_set(tiny_packed):
 
 
 def test_leaving_out_samples_keeps_the_order_of_the_rest(tiny_packed):
-    source = open_data(str(tiny_packed))
+    source = source_at(tiny_packed)
     left_out = frozenset({"train/bar/00003.png", "val/arrow/00000.png"})
     train = source.split("train", leave_out=left_out)
     names = source.index.splits["train"].names
@@ -76,7 +76,7 @@ def test_a_shard_is_opened_once_per_process_and_again_after_a_fork(tiny_packed, 
     monkeypatch.setattr(
         shards.os, "open", lambda path, *a: opened.append(path) or real_open(path, *a)
     )
-    dataset = open_data(str(tiny_packed)).split("train").dataset
+    dataset = source_at(tiny_packed).split("train").dataset
     for _ in range(2):
         for i in range(len(dataset)):
             dataset[i]
@@ -93,7 +93,7 @@ def test_a_shard_is_opened_once_per_process_and_again_after_a_fork(tiny_packed, 
 @pytest.mark.usefixtures("no_handles")
 def test_the_handles_kept_are_bounded(tiny_packed, monkeypatch):
     monkeypatch.setattr(shards, "OPEN_SHARDS", 2)
-    dataset = open_data(str(tiny_packed)).split("train").dataset
+    dataset = source_at(tiny_packed).split("train").dataset
     for i in range(len(dataset)):
         dataset[i]
     assert len(shards._handles) <= 2
@@ -113,7 +113,7 @@ def test_a_truncated_shard_is_named(packed):
         f"DATA: shard {packed}/train/000002.tar has {size - 1000} bytes, and {packed}/index.json "
         f"says {size}"
     )
-    source = open_data(str(packed))
+    source = source_at(packed)
     with pytest.raises(UserError, match=message):
         source.split("train")
     with pytest.raises(UserError, match=message):  # for the image check too
@@ -121,11 +121,11 @@ def test_a_truncated_shard_is_named(packed):
 
 
 def test_a_shard_cut_short_after_the_start_is_named_with_the_image(packed):
-    dataset = open_data(str(packed)).split("train").dataset
+    dataset = source_at(packed).split("train").dataset
     os.truncate(packed / "train" / "000001.tar", 1000)
     with pytest.raises(UserError, match=r"train/000001.tar: ends before image arrow/00007.png"):
         dataset[7]
-    source = open_data(str(packed))
+    source = source_at(packed)
     with pytest.raises(UserError, match="train/000001.tar has 1000 bytes"):
         source.split("train")
 
@@ -133,7 +133,7 @@ def test_a_shard_cut_short_after_the_start_is_named_with_the_image(packed):
 def test_a_missing_shard_is_named(packed):
     (packed / "val" / "000001.tar").unlink()
     with pytest.raises(UserError, match=f"shard {packed}/val/000001.tar is missing"):
-        open_data(str(packed)).split("val")
+        source_at(packed).split("val")
 
 
 def test_a_bad_image_in_a_shard_is_named_with_its_shard(packed):
@@ -142,7 +142,7 @@ def test_a_bad_image_in_a_shard_is_named_with_its_shard(packed):
     with open(packed / "val" / "000000.tar", "r+b") as shard:
         shard.seek(offset)
         shard.write(b"\0" * size)
-    source = open_data(str(packed))
+    source = source_at(packed)
     assert source.problem(f"val/{name}") is not None
     dataset = source.split("val", val_transform(16)).dataset
     with pytest.raises(UserError, match=f"cannot read image {name} in {packed}/val/000000.tar: "):
@@ -186,11 +186,11 @@ def first_sample(index, split="train"):
 def test_an_index_that_is_not_ours_or_malformed_is_named(packed, change, message):
     rewrite(packed, change)
     with pytest.raises(UserError, match=message) as raised:
-        open_data(str(packed))
+        source_at(packed)
     assert str(raised.value).startswith(f"DATA: {packed}/index.json: ")
 
 
 def test_an_index_that_is_not_json_is_named(packed):
     (packed / "index.json").write_text('{"format": "ddptrain-packed", "version": 1, "cla')
     with pytest.raises(UserError, match=f"DATA: {packed}/index.json: not JSON"):
-        open_data(str(packed))
+        source_at(packed)

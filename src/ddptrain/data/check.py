@@ -1,7 +1,7 @@
 """Bad images: find every image of a data set that cannot be used, before training reaches it.
 
-`ddptrain check DATA` decodes every image of train/ and val/ (a folder's files, or a packed
-set's samples) once, with the decoder and the decompression-bomb limit training uses
+`ddptrain check DATA` decodes every image of train/ and val/ (a folder's files, or a packed or
+table set's samples) once, with the decoder and the decompression-bomb limit training uses
 (folder.load_rgb), in DataLoader worker processes (-j), and lists each bad file with the reason.
 
 Before training, `--verify-images` (or `--bad-images skip`, which needs the list) runs the same
@@ -24,11 +24,12 @@ Nothing here prints: the caller hands in its terminal, `say(line, stderr=False)`
 import contextlib
 import hashlib
 import os
+from pathlib import Path
 
 from torch.utils.data import Dataset
 
 from ddptrain.config import Config
-from ddptrain.data.sources import SPLITS, Source, check_same_classes, open_data, open_source
+from ddptrain.data.sources import SPLITS, Source, check_same_classes, open_source, source_at
 from ddptrain.data.workers import Loader
 from ddptrain.distributed.collectives import agree, check_same, gather_from_all
 from ddptrain.distributed.env import DistEnv
@@ -80,18 +81,23 @@ def find_bad(
 
 
 def check_command(
-    data: str, workers: int | None, max_image_pixels: int, say=_quiet, counting=_uncounted
+    data: str,
+    workers: int | None,
+    max_image_pixels: int,
+    image_column: str = "image",
+    label_column: str = "label",
+    say=_quiet,
+    counting=_uncounted,
 ) -> None:
     """`ddptrain check DATA`: says every bad image on stdout, then raises a UserError (exit 2)
     when there is one; else says that all decode."""
+    root = Path(data)
     if workers is not None and workers < 0:
         raise UserError(f"-j/--workers must be at least 0, got {workers}")
     if max_image_pixels < 1:
         raise UserError(f"--max-image-pixels must be at least 1, got {max_image_pixels}")
-    source = open_data(data, max_image_pixels)  # an image folder or a packed set
-    root, splits = source.root, source.present()
-    if not splits:
-        raise UserError(f"DATA: {root} holds neither train/ nor val/")
+    source = source_at(root, max_image_pixels, image_column, label_column)
+    splits = [split for split in SPLITS if source.has(split)]
     files = source.names(splits, say)
     workers = usable_cores() if workers is None else workers
     bad = find_bad(source, files, workers, counting)

@@ -1,5 +1,4 @@
-"""Image folders: class discovery, checks, and decoding images (a file's or any bytes) into uint8
-RGB tensors."""
+"""Image folders: class discovery, checks, and decoding files into uint8 RGB tensors."""
 
 import functools
 import hashlib
@@ -30,65 +29,71 @@ class _Unreadable(Exception):
 
 
 def load_rgb(path: str, max_pixels: int | None = MAX_IMAGE_PIXELS) -> torch.Tensor:
-    """An image file as a uint8 RGB tensor (3, H, W); names the file when it cannot be read or
-    decoded, or when its header declares more than max_pixels pixels (a decompression bomb)."""
-    return _named(path, lambda: _decode(_read_file(path), max_pixels))
+    """An image file as a uint8 RGB tensor (3, H, W); names the file when it cannot be decoded,
+    or when its header declares more than max_pixels pixels (a decompression bomb).
+
+    torchvision.io decodes JPEG, PNG and WebP straight into a tensor (the same libjpeg-turbo
+    pixels as PIL, without PIL's image object and conversions); GIF, other formats (BMP, TIFF,
+    PPM) and files it refuses go through PIL, whose error names what is wrong. GIF through PIL:
+    torchvision.io decodes every frame of an animated one, which the size check (of one frame)
+    would not bound.
+    """
+    try:
+        return _read_rgb(path, max_pixels)
+    except _Unreadable as err:
+        raise _cannot_read(path, err) from None
 
 
 def decode_rgb(
     encoded: bytes, name: str, max_pixels: int | None = MAX_IMAGE_PIXELS
 ) -> torch.Tensor:
-    """An image's bytes from elsewhere (a packed shard) as load_rgb decodes a file's; `name`
-    says which image in the message."""
-    return _named(name, lambda: _decode(encoded, max_pixels))
+    """Encoded image bytes (a table's cell) as load_rgb decodes a file's, with the same size
+    check; `name` says which image in messages."""
+    try:
+        return _decode(encoded, max_pixels)
+    except _Unreadable as err:
+        raise _cannot_read(name, err) from None
+
+
+def _cannot_read(name: str, err: _Unreadable) -> UserError:
+    # Found as the loader reaches it, a val image after a whole epoch: say how to find them
+    # all before training, or train without them.
+    return UserError(
+        f"cannot read image {name}: {err} (`ddptrain check DATA` lists every bad image; "
+        "--bad-images skip trains without them)"
+    )
 
 
 def image_problem(path: str, max_pixels: int | None = MAX_IMAGE_PIXELS) -> str | None:
     """Why load_rgb would refuse path, or None when it decodes."""
-    return _problem(lambda: _decode(_read_file(path), max_pixels))
-
-
-def encoded_problem(encoded: bytes, max_pixels: int | None = MAX_IMAGE_PIXELS) -> str | None:
-    """Why decode_rgb would refuse these bytes, or None when they decode."""
-    return _problem(lambda: _decode(encoded, max_pixels))
-
-
-def _named(name: str, decode) -> torch.Tensor:
     try:
-        return decode()
-    except _Unreadable as err:
-        # Found as the loader reaches it, a val image after a whole epoch: say how to find
-        # them all before training, or train without them.
-        raise UserError(
-            f"cannot read image {name}: {err} (`ddptrain check DATA` lists every bad image; "
-            "--bad-images skip trains without them)"
-        ) from None
-
-
-def _problem(decode) -> str | None:
-    try:
-        decode()
+        _read_rgb(path, max_pixels)
     except _Unreadable as err:
         return str(err)
     return None
 
 
-def _read_file(path: str) -> bytes:
+def decode_problem(encoded: bytes, max_pixels: int | None = MAX_IMAGE_PIXELS) -> str | None:
+    """Why decode_rgb would refuse the bytes, or None when they decode."""
+    try:
+        _decode(encoded, max_pixels)
+    except _Unreadable as err:
+        return str(err)
+    return None
+
+
+def _read_rgb(path: str, max_pixels: int | None) -> torch.Tensor:
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO's read would wait forever
             raise _Unreadable("not a regular file")
         with open(path, "rb") as f:
-            return f.read()
+            encoded = f.read()
     except OSError as err:
         raise _Unreadable(err.strerror) from None
+    return _decode(encoded, max_pixels)
 
 
 def _decode(encoded: bytes, max_pixels: int | None) -> torch.Tensor:
-    """torchvision.io decodes JPEG, PNG and WebP straight into a tensor (the same libjpeg-turbo
-    pixels as PIL, without PIL's image object and conversions); GIF, other formats (BMP, TIFF,
-    PPM) and files it refuses go through PIL, whose error names what is wrong. GIF through PIL:
-    torchvision.io decodes every frame of an animated one, which the size check (of one frame)
-    would not bound."""
     _check_size(encoded, max_pixels)
     if encoded.startswith((b"GIF87a", b"GIF89a")):
         return _decode_with_pil(encoded)  # its first frame only

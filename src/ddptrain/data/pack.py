@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 from ddptrain.config import PACK_QUALITY, PACK_SHARD_MB
 from ddptrain.data import folder, shard_index
 from ddptrain.data.shrink import shrink
-from ddptrain.data.sources import FolderSource, check_same_classes, open_data
+from ddptrain.data.sources import SPLITS, FolderSource, check_same_classes, source_at
 from ddptrain.data.workers import Loader
 from ddptrain.distributed.threads import usable_cores
 from ddptrain.errors import UserError, write_failed
@@ -52,10 +52,10 @@ def pack(
     """Packs the image folder DATA into OUT; returns the line that says what was written.
     `say` and `counting` are the caller's terminal (report.progress)."""
     _check_numbers(max_side, quality, shard_size, workers)
-    source = open_data(data)
+    source = source_at(Path(data))
     if not isinstance(source, FolderSource):
-        raise UserError(f"DATA: {data} is a packed set already; pack takes an image folder")
-    splits = {name: source.split(name) for name in source.present()}
+        raise UserError(f"DATA: {data} is not an image folder (pack takes one)")
+    splits = {name: source.split(name) for name in SPLITS if source.has(name)}
     if not splits:
         raise UserError(f"DATA: {data} holds neither train/ nor val/")
     if len(splits) == 2:

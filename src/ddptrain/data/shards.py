@@ -115,9 +115,8 @@ class ShardSource:
     def where(self) -> str:
         return _join(self.root, self.index_name)
 
-    def present(self) -> list[str]:
-        """The splits the set holds."""
-        return [split for split in SPLITS if split in self.index.splits]
+    def has(self, split: str) -> bool:
+        return split in self.index.splits
 
     def split(self, name: str, transform=None, leave_out: frozenset[str] = frozenset()) -> Split:
         """leave_out: sample names (`names`) the image check found bad, left out."""
@@ -145,7 +144,7 @@ class ShardSource:
         """Why sample `name` cannot be used, or None when it decodes."""
         part, i = self._find(name)
         encoded, why = self._read(part, i)
-        return why or folder.encoded_problem(encoded, self.max_pixels)
+        return why or folder.decode_problem(encoded, self.max_pixels)
 
     def shown(self, name: str) -> str:
         return self.shown_at(*self._find(name))

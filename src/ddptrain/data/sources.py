@@ -1,17 +1,18 @@
 """Where a run's images come from, chosen by what DATA is: an image folder (the built-in data set
-is one), a packed set (data/shards.py: `ddptrain pack`'s tar shards and index) or, with --dummy,
-random images.
+is one), a packed set (data/shards.py: `ddptrain pack`'s tar shards and index), a table set
+(data/tables.py) or, with --dummy, random images.
 
 A source gives each split as a `Split` (data/split.py): a Dataset of (uint8 RGB image, class
 index) pairs with the transform applied, its classes, and what a checkpoint records of it
 (`facts`: count and digest, so resuming on other data is refused). For the image check
-(data/check.py) it names its samples and says why one cannot be used. The loaders, the check and
-the checkpoint's data facts know sources only through this, so another form of DATA is one more
-class here.
+(data/check.py) it names its samples and says why one cannot be used. The loaders, the check
+and the checkpoint's data facts know sources only through this, so another form of DATA is one
+more class here.
 """
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torchvision import datasets
 from torchvision.transforms import v2
@@ -23,6 +24,9 @@ from ddptrain.data.shards import ShardSource
 from ddptrain.data.split import SPLITS, Split
 from ddptrain.data.synth import ensure_builtin
 from ddptrain.errors import UserError
+
+if TYPE_CHECKING:  # tables.py builds on Split, and is imported when DATA is a table set
+    from ddptrain.data.tables import TableSource
 
 DUMMY_SIZES, DUMMY_CLASSES = {"train": 1_281_167, "val": 50_000}, 1000  # ImageNet's
 
@@ -46,10 +50,6 @@ class FolderSource:
             folder.loose_warning(dataset),
         )
 
-    def present(self) -> list[str]:
-        """The splits the folder holds."""
-        return [split for split in SPLITS if (self.root / split).is_dir()]
-
     def names(self, splits=SPLITS, say=lambda line, stderr=False: None) -> list[str]:
         """The samples of splits as `split/class/file`, in the order training reads them; says
         which images no class folder holds (training leaves them out)."""
@@ -60,6 +60,9 @@ class FolderSource:
                 say(f"warning: {line}", stderr=True)
             names += [f"{split}/{path}" for path in folder.relative_paths(dataset)]
         return names
+
+    def has(self, split: str) -> bool:
+        return (self.root / split).is_dir()
 
     def problem(self, name: str) -> str | None:
         """Why sample `name` cannot be used, or None when it decodes."""
@@ -90,7 +93,8 @@ class DummySource:
         return Split(dataset, classes, "--dummy", {"images": len(dataset), "digest": None})
 
 
-Source = FolderSource | ShardSource | DummySource
+# A string for type checkers alone: TableSource is imported where DATA is a table set.
+Source = "FolderSource | ShardSource | TableSource | DummySource"
 
 
 def open_source(config: Config, log=None) -> Source:
@@ -99,22 +103,35 @@ def open_source(config: Config, log=None) -> Source:
         return DummySource(config.image_size)
     if config.data.root is None:
         return FolderSource(ensure_builtin(log=log), config.max_image_pixels)
-    return open_data(config.data.root, config.max_image_pixels)
+    data = config.data
+    return source_at(Path(data.root), data.max_image_pixels, data.image_column, data.label_column)
 
 
-def open_data(data: str, max_pixels: int = MAX_IMAGE_PIXELS) -> FolderSource | ShardSource:
-    """DATA by its form: a packed set's index file, or a folder holding one (index.json), or
-    an ImageFolder root."""
-    root = Path(data)
+def source_at(
+    root: Path,
+    max_pixels: int = MAX_IMAGE_PIXELS,
+    image_column: str = "image",
+    label_column: str = "label",
+) -> "FolderSource | ShardSource | TableSource":
+    """The source of DATA `root`, by what it holds: a packed set's index (the file, or a folder
+    holding index.json) makes a packed set; Parquet files in train/ or val/, or
+    dataset_dict.json, a table set; train/ or val/ folders an image folder."""
+    from ddptrain.data import tables  # here: tables.py imports Split from this module
+
     if root.suffix == ".json" and root.is_file():
         return ShardSource.open(str(root.parent), root.name, max_pixels)
     if (root / INDEX).is_file():
         return ShardSource.open(str(root), INDEX, max_pixels)
+    expected = (
+        "expected train/ and val/ holding class folders or Parquet files, a packed set's "
+        f"{INDEX}, or a datasets DatasetDict's dataset_dict.json"
+    )
     if not root.is_dir():
-        raise UserError(
-            f"DATA: {root} is not a directory (expected an ImageFolder root with train/ and val/, "
-            f"or a packed set's {INDEX})"
-        )
+        raise UserError(f"DATA: {root} is not a directory ({expected})")
+    if tables.is_table_set(root):
+        return tables.TableSource(root, max_pixels, image_column, label_column)
+    if not any((root / split).is_dir() for split in SPLITS):
+        raise UserError(f"DATA: {root} is neither an image folder nor a table set ({expected})")
     return FolderSource(root, max_pixels)
 
 
@@ -123,6 +140,6 @@ def check_same_classes(train: Split, val: Split) -> None:
         only_train = sorted(set(train.class_to_idx) - set(val.class_to_idx))
         only_val = sorted(set(val.class_to_idx) - set(train.class_to_idx))
         raise UserError(
-            f"class folders of {train.where} and {val.where} differ: only in train: "
+            f"the classes of {train.where} and {val.where} differ: only in train: "
             f"{only_train or 'none'}; only in val: {only_val or 'none'}"
         )

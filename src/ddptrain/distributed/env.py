@@ -298,9 +298,6 @@ def teardown_distributed() -> None:
     """Ends the default process group and every group made from it (the CPU group too)."""
     if dist.is_initialized():
         dist.destroy_process_group()
-        # Gloo's worker threads drop a finished collective's tensors themselves, which takes the
-        # GIL; one still waiting for it when the interpreter finalizes aborts the process
-        # (SIGABRT) after a run that succeeded. Under fsdp DTensor's caches hold the group until
-        # then, so destroy_process_group cannot join those threads, and torch cannot wait for
-        # them: a pause with the GIL released lets them finish (docs/faults.md).
+        # A finished run exits 0, not SIGABRT: gloo threads still dropping tensors as the
+        # interpreter finalizes get this pause with the GIL released (docs/faults.md, test_exit).
         time.sleep(0.1)

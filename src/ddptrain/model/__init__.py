@@ -1,1 +1,1 @@
-"""The model: built by name, placed (device, dtype, layout), wrapped by strategy."""
+"""The model: built by name (its provider), placed (device, dtype, layout)."""

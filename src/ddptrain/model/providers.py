@@ -2,7 +2,7 @@
 
 A provider names the models it builds, builds one for a class count and crop size (on the meta
 device when asked), says where its published weights are, and names the blocks its models are
-built from, which fsdp shards as units (model/fsdp.py). The builder (model/build.py), fsdp, the
+built from, which fsdp shards as units (parallel/fsdp.py). The builder (model/build.py), fsdp, the
 planner and export reach models only through this, so another library's models (timm's) are a
 second provider here, chosen by the form of the name.
 """

@@ -161,7 +161,7 @@ def _gradients_set_aside(model: nn.Module) -> Iterator[None]:
     """No gradients while inside, the same ones after. torch's optimizer state dict functions
     make a fresh optimizer's state to load into (a step with zero gradients and lr 0) only when
     no parameter has a gradient; under ddp the gradients are zeros in DDP's buckets before the
-    first step (model.parallelize.lay_out_buckets)."""
+    first step (parallel.parallelize.lay_out_buckets)."""
     params = [p for p in model.parameters() if p.grad is not None]
     kept = [p.grad for p in params]
     for param in params:

@@ -16,11 +16,11 @@ reduce-scatter before the last, holding whole gradients; the request's optimizer
   and after each backward a gradient is copied into its bucket and becomes a view of it, so the
   gradients live for the whole run. DDP's C++ reducer cannot run on fake tensors, so a hook does the
   same here: one bucket per parameter, allocated up front, the gradient copied in. Once, before
-  training (`model.parallelize.lay_out_buckets`, before the optimizer holds any state), DDP
+  training (`parallel.parallelize.lay_out_buckets`, before the optimizer holds any state), DDP
   rebuilds its buckets in the order gradients arrived, holding old and new buckets at once:
   `bucket_rebuild`, counted in the peak. One rank: the trainer does not wrap, gradients are
   freed by zero_grad and made again in backward.
-- fsdp: `ddptrain.model.fsdp.shard` over a fake process group of world_size ranks (this process is
+- fsdp: `parallel.fsdp.shard` over a fake process group of world_size ranks (this process is
   rank 0; FSDP2 pads every shard to the same size, so all ranks hold the same), under
   `FSDPMemTracker`, which also sees the all-gather and reduce-scatter buffers.
 The traced step is the second one: the optimizer's state exists and gradients of the previous
@@ -52,8 +52,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from ddptrain.config import OptimSettings
 from ddptrain.errors import end_process, first_line
 from ddptrain.model.build import CropError, build_model
-from ddptrain.model.fsdp import shard
 from ddptrain.model.precision import DTYPES, Precision
+from ddptrain.parallel.fsdp import shard
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.step import Step, gradients_set_to_none
 

@@ -38,7 +38,7 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from ddptrain.config import OptimSettings
 from ddptrain.distributed.env import DistEnv
-from ddptrain.model.parallelize import is_sharded, reshard_gathered
+from ddptrain.parallel.parallelize import is_sharded, reshard_gathered
 from ddptrain.state import sharded
 from ddptrain.state.checkpointer import ModelState
 

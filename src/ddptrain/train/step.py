@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from ddptrain.errors import UserError
-from ddptrain.model.parallelize import (
+from ddptrain.model.precision import Precision
+from ddptrain.parallel.parallelize import (
     forget_dropped_step,
     gradients_in_buckets,
     no_gradient_sync,
 )
-from ddptrain.model.precision import Precision
 
 AUX_WEIGHT = 0.4  # googlenet and inception_v3 auxiliary heads, as torchvision's references
 

@@ -20,8 +20,8 @@ from ddptrain.distributed.env import DistEnv
 from ddptrain.distributed.phases import Phases
 from ddptrain.errors import Stopped, UserError
 from ddptrain.faults import Faults
-from ddptrain.model.parallelize import reshard_gathered, unwrap
 from ddptrain.model.precision import Precision
+from ddptrain.parallel.parallelize import reshard_gathered, unwrap
 from ddptrain.report.metrics import Sums, summarize
 from ddptrain.report.profile import StepProfiler
 from ddptrain.report.progress import shown
@@ -102,9 +102,9 @@ class Run:
             self.precision,
             self.criterion,
             self.scheduler,
-            self.config.accum_steps,
-            self.config.clip_grad_norm,
-            skip_nonfinite=self.config.nonfinite == "skip",
+            self.config.optim.accum_steps,
+            self.config.optim.clip_grad_norm,
+            skip_nonfinite=self.config.optim.nonfinite == "skip",
             mark=None if self.phases is None else self.phases.within_step,
         )
 
@@ -168,7 +168,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
     # read at print steps only, so finding it costs no host synchronisation.
     first_bad = torch.zeros((), dtype=torch.int64, device=env.device)
     batches = iter(run.data.train_loader)
-    reporter.begin_epoch(epoch, config.epochs, first, steps)
+    reporter.begin_epoch(epoch, config.optim.epochs, first, steps)
     run.mark("data fetch", state.global_step + 1)
     run.stop.agreeing = True
     for step in range(first + 1, steps + 1):
@@ -203,7 +203,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
         reporter.advance()
         if run.profiler is not None:
             run.profiler.step()
-        if step % config.print_freq == 0 or step == steps:
+        if step % config.report.print_freq == 0 or step == steps:
             now = time.perf_counter()
             local = sums.summary()  # this rank's running means: a host sync, at print steps only
             if first_bad:  # agreed at the next boundary, with the stop signals
@@ -235,7 +235,7 @@ def _finite(run: Run, state: TrainState, totals: torch.Tensor) -> torch.Tensor:
 
 def _nonfinite(run: Run, global_step: int, at_or_before: bool = False) -> None:
     """Every rank stops here: training went non-finite, and nothing after it is saved."""
-    saved = numbered(Path(run.config.out_dir))
+    saved = numbered(Path(run.config.checkpoint.out_dir))
     then = (
         f"the last good checkpoint is {saved[0]}: resume from it with --resume auto and"
         if saved
@@ -254,11 +254,11 @@ def _nonfinite(run: Run, global_step: int, at_or_before: bool = False) -> None:
 
 def _count_skipped(run: Run, state: TrainState) -> None:
     run.skipped += 1
-    if run.skipped >= run.config.max_skipped:
+    if run.skipped >= run.config.optim.max_skipped:
         raise UserError(
             f"--nonfinite skip: {run.skipped} steps had non-finite gradients, the last at global "
-            f"step {state.global_step} (--max-skipped {run.config.max_skipped}); lower --lr, or "
-            "try --clip-grad-norm"
+            f"step {state.global_step} (--max-skipped {run.config.optim.max_skipped}); lower "
+            "--lr, or try --clip-grad-norm"
         )
 
 
@@ -271,7 +271,7 @@ def _stop(run: Run, state: TrainState, sums: Sums, carried: torch.Tensor, signum
         signum,
         f"stopped by {signal.Signals(signum).name} after global step {state.global_step} "
         f"(step {state.epoch_step} of epoch {state.epoch + 1}); checkpoint in "
-        f"{run.config.out_dir}: continue with --resume auto",
+        f"{run.config.checkpoint.out_dir}: continue with --resume auto",
     )
 
 
@@ -286,7 +286,7 @@ def _validate(run: Run, global_step: int) -> tuple[dict, dict | None]:
 def fit(run: Run, state: TrainState) -> TrainState:
     config, reporter = run.config, run.reporter
     start, val = time.perf_counter(), None
-    for epoch in range(state.epoch, config.epochs):
+    for epoch in range(state.epoch, config.optim.epochs):
         if state.epoch_step == 0 or state.epoch_lr is None:  # else resumed mid-epoch
             state.epoch_lr = run.optimizer.param_groups[0]["lr"]
         train = train_epoch(run, epoch, state)
@@ -310,7 +310,7 @@ def fit(run: Run, state: TrainState) -> TrainState:
         if train["data_wait"] > DATA_WAIT_WARNING:
             reporter.warn(
                 f"{100 * train['data_wait']:.0f}% of the epoch went to waiting for data; "
-                f"try more loader workers (-j, now {config.workers}), a smaller --image-size, "
+                f"try more loader workers (-j, now {config.data.workers}), a smaller --image-size, "
                 "or smaller images on faster storage"
             )
         ema_text, best_of = "", ""
@@ -319,18 +319,20 @@ def fit(run: Run, state: TrainState) -> TrainState:
             ema_text = f" | ema acc1 {val_ema['acc1']:.2f}"
             best_of = " (ema)" if state.best_model == "model_ema" else " (model)"
         reporter.info(
-            f"epoch {state.epoch}/{config.epochs} done: train loss {shown(train['loss'], '.4f')} "
-            f"acc1 {shown(train['acc1'], '.2f')} ({train['samples_per_sec']:.1f} samples/s) "
-            f"{skipped_text}| val loss "
+            f"epoch {state.epoch}/{config.optim.epochs} done: train loss "
+            f"{shown(train['loss'], '.4f')} acc1 {shown(train['acc1'], '.2f')} "
+            f"({train['samples_per_sec']:.1f} samples/s) {skipped_text}| val loss "
             f"{val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} "
             f"({val['samples']} images){ema_text} | best acc1 {state.best_acc1:.2f}{best_of}"
         )
     if val is None:
-        reporter.info(f"nothing to train: {state.epoch} of {config.epochs} epochs already done")
+        reporter.info(
+            f"nothing to train: {state.epoch} of {config.optim.epochs} epochs already done"
+        )
     else:
         reporter.info(
             f"trained in {time.perf_counter() - start:.0f} s: val acc1 {val['acc1']:.2f} "
-            f"(best {state.best_acc1:.2f}); checkpoints in {config.out_dir}"
+            f"(best {state.best_acc1:.2f}); checkpoints in {config.checkpoint.out_dir}"
         )
     run.stop.agreeing = False  # set by the first epoch's step loop (train_epoch)
     return state

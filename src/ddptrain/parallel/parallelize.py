@@ -2,13 +2,12 @@
 
 ddp keeps a whole copy of the model, its gradients and optimizer state on every rank and
 all-reduces gradients; fsdp (FSDP2) shards all three and gathers each block just in time (see
-model/fsdp.py). One rank runs the plain model under either: there is nothing to shard.
+parallel/fsdp.py). One rank runs the plain model under either: there is nothing to shard.
 """
 
 import contextlib
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,36 +15,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from ddptrain.config import Config
+from ddptrain.config import ParallelSettings
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
-from ddptrain.model import comm_hooks, fsdp
+from ddptrain.parallel import comm_hooks, fsdp
 
 STRATEGIES = ("ddp", "fsdp")
 ONE_BUCKET_MB = 1 << 20  # a bucket cap no model reaches
 SHARDED_RECOMPILE_LIMIT = 64  # compiled variants of one function under fsdp: see compile_model
-
-
-@dataclass(frozen=True)
-class Communication:
-    """How ddp reduces gradients: --ddp-comm-hook, --powersgd-*, --bucket-cap-mb,
-    --static-graph."""
-
-    hook: str = "none"
-    powersgd_rank: int = 1
-    powersgd_start_step: int = 1000
-    bucket_cap_mb: float | None = None  # None: torch's default (25)
-    static_graph: bool = False
-
-    @classmethod
-    def of(cls, config: Config) -> "Communication":
-        return cls(
-            config.ddp_comm_hook,
-            config.powersgd_rank,
-            config.powersgd_start_step,
-            config.bucket_cap_mb,
-            config.static_graph,
-        )
 
 
 def wrap(
@@ -57,7 +34,7 @@ def wrap(
     amp_dtype: torch.dtype | None = None,
     offload: bool = False,
     reshard_after_forward: bool = True,
-    comm: Communication | None = None,
+    comm: ParallelSettings | None = None,
     example: torch.Tensor | None = None,
     place: Callable[[nn.Module], nn.Module] | None = None,
 ) -> nn.Module:
@@ -82,7 +59,7 @@ def wrap(
     model = place(model) if place is not None else model.to(env.device)
     if env.distributed:
         device_ids = None if env.device.type == "cpu" else [env.device.index]
-        return _ddp(model, device_ids, comm or Communication(), example, amp_dtype)
+        return _ddp(model, device_ids, comm or ParallelSettings(), example, amp_dtype)
     if env.device.type == "cuda" and not gpu_pinned and torch.cuda.device_count() > 1:
         warnings.warn(
             "one process on several GPUs: using DataParallel, which is slower than DDP; "
@@ -122,7 +99,7 @@ def builds_on_meta(env: DistEnv, strategy: str) -> bool:
 def _ddp(
     model: nn.Module,
     device_ids,
-    comm: Communication,
+    comm: ParallelSettings,
     example: torch.Tensor | None,
     amp_dtype: torch.dtype | None,
 ) -> DistributedDataParallel:
@@ -136,7 +113,9 @@ def _ddp(
     )
     if example is not None:
         lay_out_buckets(ddp, example, amp_dtype)  # before a hook sees any bucket
-    state = comm_hooks.register(ddp, comm.hook, comm.powersgd_rank, comm.powersgd_start_step)
+    state = comm_hooks.register(
+        ddp, comm.ddp_comm_hook, comm.powersgd_rank, comm.powersgd_start_step
+    )
     if state is not None:
         ddp.powersgd_state = state  # for checkpoint_parts
     return ddp
@@ -176,11 +155,11 @@ def lay_out_buckets(
         ddp._has_rebuilt_buckets = True
 
 
-def _bucket_cap_mb(comm: Communication) -> float | None:
+def _bucket_cap_mb(comm: ParallelSettings) -> float | None:
     """PowerSGD on gloo gets one bucket: each bucket's hook chains its all-reduces from
     callbacks, and with several buckets in flight the ranks issued them in different orders
     ("collective mismatch", torch 2.14)."""
-    if comm.hook != "powersgd" or dist.get_backend() != "gloo":
+    if comm.ddp_comm_hook != "powersgd" or dist.get_backend() != "gloo":
         return comm.bucket_cap_mb
     if comm.bucket_cap_mb is not None:
         raise UserError(

@@ -1,11 +1,11 @@
-"""FSDP2 for torchvision models: which modules become their own shard group, and the wrapping.
+"""FSDP2: which modules of a model become their own shard group, and the wrapping.
 
 Each block of the network is a unit: its parameters are gathered just before its forward and
 freed after (but the last block's, which backward needs first: see `shard`), so a rank holds the
 whole of one block at a time and a shard of the rest. The rule:
 
-1. the blocks torchvision builds its models from (`BLOCKS`: ResNet's BasicBlock and Bottleneck,
-   ViT's EncoderBlock, ConvNeXt's CNBlock, Swin, MobileNet, ShuffleNet, MNASNet, RegNet,
+1. the blocks the models are built from (model/providers.py: ResNet's BasicBlock and
+   Bottleneck, ViT's EncoderBlock, ConvNeXt's CNBlock, Swin, MobileNet, ShuffleNet, MNASNet, RegNet,
    EfficientNet, MaxViT and DenseNet blocks), outermost first (a block inside a block is not
    a unit of its own);
 2. a model with none of them: each child of its `features` and `classifier` stacks that holds
@@ -34,42 +34,11 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import distribute_tensor
-from torchvision.models import (
-    convnext,
-    densenet,
-    efficientnet,
-    maxvit,
-    mnasnet,
-    mobilenetv2,
-    mobilenetv3,
-    regnet,
-    resnet,
-    shufflenetv2,
-    swin_transformer,
-    vision_transformer,
-)
 
 from ddptrain.distributed.collectives import broadcast_buffers
 from ddptrain.distributed.env import DistEnv
-from ddptrain.distributed.pairwise import PairwiseAllGather, PairwiseReduceScatter
 from ddptrain.errors import UserError
-
-BLOCKS = (
-    resnet.BasicBlock,
-    resnet.Bottleneck,
-    vision_transformer.EncoderBlock,
-    convnext.CNBlock,
-    swin_transformer.SwinTransformerBlock,  # SwinTransformerBlockV2 is a subclass
-    mobilenetv2.InvertedResidual,
-    mobilenetv3.InvertedResidual,
-    shufflenetv2.InvertedResidual,
-    mnasnet._InvertedResidual,
-    regnet.ResBottleneckBlock,
-    efficientnet.MBConv,
-    efficientnet.FusedMBConv,
-    maxvit.MaxVitBlock,
-    densenet._DenseBlock,
-)
+from ddptrain.model import providers
 
 
 def _holds_parameters(module: nn.Module) -> bool:
@@ -78,10 +47,11 @@ def _holds_parameters(module: nn.Module) -> bool:
 
 def _outermost_blocks(model: nn.Module) -> list[nn.Module]:
     units: list[nn.Module] = []
+    blocks = providers.blocks()
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
-            if isinstance(child, BLOCKS):
+            if isinstance(child, blocks):
                 units.append(child)
             else:
                 visit(child)
@@ -155,39 +125,17 @@ def shard(
     in_units = {id(m) for unit in units for m in unit.modules()}
     outside = [m for m in model.modules() if id(m) not in in_units]
     fp32 = {**options, "mp_policy": MixedPrecisionPolicy()}
-    groups: list[nn.Module] = []
     for unit, inside in [*((unit, unit.modules()) for unit in units), (model, outside)]:
         norms = _batch_norms(inside) if amp_dtype is not None else []
         if norms:
             fully_shard(norms, reshard_after_forward=False, **fp32)
-            groups.append(norms[0])
         if norms != [unit]:  # else the unit is itself a BatchNorm (vgg*_bn's, under rule 2)
             # Two groups stay gathered after forward, each saving one all-gather per step: the
             # root (stem, head), used last in backward, and the last unit, used first: backward
             # would gather it again right away, with little or no compute to overlap.
             reshard = reshard_after_forward and unit not in (model, units[-1])
             fully_shard(unit, reshard_after_forward=reshard, **options)
-            groups.append(unit)
-    if device.type == "cpu" and dist.get_backend(options["mesh"].get_group()) == "gloo":
-        _overlap_pairwise(model, groups)
     return model
-
-
-def _overlap_pairwise(model: nn.Module, groups: list[nn.Module]) -> None:
-    """FSDP's collectives as pairwise sends, in gloo's threads while the step computes (see
-    distributed/pairwise.py): gloo's own all-gather and reduce-scatter run at half their speed, and
-    FSDP2 waits for each collective where it issues it on the CPU (no streams). On the CPU only:
-    gloo's sends take host memory (its collectives copy a GPU's through it). Both collectives
-    overlap, not one alone: a synchronous all-gather would wait behind the reduce-scatter in
-    flight (measured in docs/performance.md)."""
-    reduce_scatter = PairwiseReduceScatter()  # one for all groups: at most one in flight
-    for module in groups:  # the modules of a group share one FSDP state
-        module.set_custom_all_gather(PairwiseAllGather())
-        module.set_custom_reduce_scatter(reduce_scatter)
-    # Unshards asynchronous (a private setter, torch 2.14; every group under model): in
-    # backward, the block FSDP2 prefetches is gathered while the current one computes. In
-    # forward nothing is prefetched, so each block's gather is waited for at once.
-    model._set_unshard_async_op(True)
 
 
 def shard_from_rank0(

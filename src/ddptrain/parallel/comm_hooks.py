@@ -6,19 +6,14 @@ All three run on gloo and NCCL (`batched_powerSGD_hook` is broken on gloo and is
 
 PowerSGD on gloo runs with one bucket (parallelize.py): with several, the ranks issue its
 chained all-reduces in different orders. Its state (step count, generator, low-rank memories,
-each rank's error feedback) is checkpointed, so a resumed run is bitwise the uninterrupted one.
-The memories and the error feedback are flat tensors laid out in the order of the bucket's
-parameters, and that order can change: DDP builds a process's first bucket in the parameters'
-order and rebuilds it, after the first backward, in the order their gradients became ready.
-ddptrain has that rebuild done before training (parallelize.lay_out_buckets), so a run's hook
-meets one layout from its first step on; a DDP wrapped without it (as some tests do) meets the
-change at its second step, where a state fed as it was would mix up the parameters' errors and
-memories. So the state remembers the parameter order it was written in, is checkpointed with
-it, and is moved into the bucket's order whenever that changes. Where the state was saved in
+each rank's error feedback) is checkpointed, so that `--resume` of a powersgd run continues it
+bitwise (tests/e2e/test_comm_hook_cli.py). The memories and the error feedback are flat tensors
+in the order of the bucket's parameters; parallelize.lay_out_buckets fixes that order before
+training, so a resumed run meets the order its state was saved in. The state records the order
+and forgets a bucket's part should it ever meet another (a DDP wrapped without lay_out_buckets):
+fed as it was, it would mix up the parameters' errors and memories. Where the state was saved in
 several buckets (NCCL), the first step after a resume all-reduces plainly
 (PowerSGDCheckpoint.load_state_dict): close to the uninterrupted run, not bitwise.
-find_unused_parameters would keep the first layout, but its extra all-reduce interleaves with
-PowerSGD's on gloo and mismatches.
 """
 
 import numpy as np
@@ -36,36 +31,27 @@ HOOKS = ("none", "bf16", "fp16", "powersgd")
 
 
 class LaidOutPowerSGDState(powersgd.PowerSGDState):
-    """torch's PowerSGDState, which also knows in which parameter order each bucket's error
-    feedback and memories are laid out (`layouts`: bucket index -> parameter indices)."""
+    """torch's PowerSGDState, which also records in which parameter order each bucket's error
+    feedback and memories are laid out (`layouts`: bucket index -> parameter indices). It
+    serves `--resume` of a `--ddp-comm-hook powersgd` run, which continues bitwise."""
 
-    __slots__ = ("index", "shapes", "layouts")
+    __slots__ = ("index", "layouts")
 
     def __init__(self, parameters: list[torch.Tensor], **kwargs):
         super().__init__(**kwargs)
         self.index = {p: i for i, p in enumerate(parameters)}
-        self.shapes = [p.shape for p in parameters]
         self.layouts: dict[int, list[int]] = {}
 
     def follow(self, bucket: dist.GradBucket) -> None:
-        """Moves the bucket's state into the bucket's present parameter order. Only the steps
-        that compress read and write the state: a plain all-reduce step leaves it as it is."""
+        """Forgets the bucket's state if it was laid out in another parameter order than the
+        bucket's now (the hook makes it anew). Only the steps that compress read the state."""
         if self.iter < self.start_powerSGD_iter:
             return
         b, order = bucket.index(), [self.index[p] for p in bucket.parameters()]
-        was = self.layouts.get(b, order)
-        if was != order:
-            assert sorted(was) == sorted(order), f"DDP moved parameters into bucket {b}"
-            if b in self.error_dict:
-                numels = [(i, self.shapes[i].numel()) for i in was]
-                self.error_dict[b] = _reorder(self.error_dict[b], numels, order)
-            if b in self.p_memory_dict:
-                before, after = self._memory_slots(was), self._memory_slots(order)
-                now = [i for i, _, _ in after]
-                p_slices, q_slices = [(i, n) for i, n, _ in before], [(i, m) for i, _, m in before]
-                self.p_memory_dict[b] = _reorder(self.p_memory_dict[b], p_slices, now)
-                self.q_memory_dict[b] = _reorder(self.q_memory_dict[b], q_slices, now)
-        self.layouts[b] = order
+        if self.layouts.setdefault(b, order) != order:
+            for kept in (self.error_dict, self.p_memory_dict, self.q_memory_dict):
+                kept.pop(b, None)
+            self.layouts[b] = order
 
     def forget(self) -> None:
         """Starts the error feedback and the low-rank memories over: a step dropped for
@@ -73,22 +59,6 @@ class LaidOutPowerSGDState(powersgd.PowerSGDState):
         hook makes them anew, its random start drawn from a generator equal on every rank."""
         for kept in (self.error_dict, self.p_memory_dict, self.q_memory_dict):
             kept.clear()
-
-    def _memory_slots(self, order: list[int]) -> list[tuple[int, int, int]]:
-        """(parameter, its length in P, in Q) for each slot of the P and Q memories, in the
-        order powerSGD_hook lays them out: the gradients worth compressing, viewed as matrices,
-        grouped by shape in order of first appearance."""
-        by_shape: dict[tuple[int, int], list[int]] = {}
-        for i in order:
-            n = self.shapes[i][0]
-            by_shape.setdefault((n, self.shapes[i].numel() // n), []).append(i)
-        slots = []
-        for (n, m), group in by_shape.items():
-            r = min(n, m, self.matrix_approximation_rank)
-            # torch's own test, so that the slots are the ones its hook allocates
-            if powersgd._should_compress(n, m, r, self.min_compression_rate)[0]:
-                slots += [(i, n * r, m * r) for i in group]
-        return slots
 
 
 def register(
@@ -111,15 +81,6 @@ def register(
         model.register_comm_hook(state, laid_out_powersgd_hook)
         return state
     return None
-
-
-def _reorder(flat: torch.Tensor, slices: list[tuple[int, int]], order: list[int]) -> torch.Tensor:
-    """`flat`, made of one slice per (parameter, length) of `slices`, with its slices put in
-    the parameters' `order`."""
-    if not slices:  # nothing in the bucket worth compressing: empty memories
-        return flat
-    pieces = dict(zip([i for i, _ in slices], flat.split([n for _, n in slices]), strict=True))
-    return torch.cat([pieces[i] for i in order])
 
 
 def laid_out_powersgd_hook(
@@ -166,12 +127,10 @@ class PowerSGDCheckpoint(Stateful):
         s.iter = int(saved["iter"])
         s.layouts = {int(k): v.tolist() for k, v in saved.get("layouts", {}).items()}
         if len(s.layouts) != 1:
-            # A state saved without its layouts cannot be moved into any bucket order; one saved
-            # in several buckets (NCCL, gradients over 1 MB) cannot be moved into the single
-            # bucket a DDP starts with when it was wrapped without lay_out_buckets. Under
-            # ddptrain's wrap the buckets are met as saved, but several are untested: that step
-            # all-reduces plainly, as PowerSGD itself does before start_powerSGD_iter, and the
-            # saved state goes on from the next.
+            # A state saved without its layouts cannot be checked against the buckets; one saved
+            # in several buckets (NCCL, gradients over 1 MB) is untested. That step all-reduces
+            # plainly, as PowerSGD itself does before start_powerSGD_iter, and the saved state
+            # goes on from the next (where a bucket's order differs, `follow` forgets it).
             s.start_powerSGD_iter = max(s.start_powerSGD_iter, s.iter + 1)
         rng = saved["rng"]
         keys = rng["keys"].numpy().astype(np.uint32)

@@ -1,0 +1,1 @@
+"""Parallelism: the model wrapped by strategy (DDP, FSDP2), fsdp's shard units, DDP's hooks."""

@@ -1,0 +1,241 @@
+"""Table data sets (data/tables.py): a Parquet set and a saved DatasetDict read as the folder they
+were made of, sample for sample; each kind of bad row named by its file and row."""
+
+import shutil
+import sys
+
+import datasets
+import pyarrow.parquet as pq
+import pytest
+import torch
+from table_data import table_dataset, table_rows, with_features, write_table_set
+
+from ddptrain.config import Config
+from ddptrain.data import check, tables
+from ddptrain.data.loaders import build_data
+from ddptrain.data.sources import FolderSource, open_source
+from ddptrain.data.tables import TableSource
+from ddptrain.distributed.env import DistEnv
+from ddptrain.errors import UserError
+
+ONE = DistEnv(0, 1, 0, 1, torch.device("cpu"))
+
+
+def source(root, **settings) -> TableSource:
+    opened = open_source(Config(data=str(root), **settings))
+    assert isinstance(opened, TableSource)
+    return opened
+
+
+def assert_same_samples(table, folder) -> None:
+    assert table.class_to_idx == folder.class_to_idx
+    assert len(table.dataset) == len(folder.dataset)
+    for i in range(len(folder.dataset)):
+        (image, label), (expected, target) = table.dataset[i], folder.dataset[i]
+        assert torch.equal(image, expected) and label == target
+
+
+@pytest.mark.parametrize("form", ["tiny_parquet", "tiny_dataset_dict"])
+def test_a_table_set_reads_as_the_folder_it_was_made_of(form, tiny_data, request):
+    table, folder = source(request.getfixturevalue(form)), FolderSource(tiny_data)
+    for split in ("train", "val"):
+        assert_same_samples(table.split(split), folder.split(split))
+        assert table.split(split).facts["images"] == folder.split(split).facts["images"]
+
+
+def test_rows_are_named_by_split_file_and_row(tiny_parquet, tiny_dataset_dict):
+    names = source(tiny_parquet).names()
+    assert names[:2] == ["train/part-0.parquet:0", "train/part-0.parquet:1"]
+    assert names[9:11] == ["train/part-0.parquet:9", "train/part-1.parquet:0"]
+    assert len(names) == 39 and names[-1] == "val/part-0.parquet:14"
+    saved = source(tiny_dataset_dict)
+    assert saved.names(("val",))[0] == "val/data-00000-of-00001.arrow:0"
+    # The split is ddptrain's (val), the file where save_to_disk put it (validation/).
+    shown = saved.shown("val/data-00000-of-00001.arrow:3")
+    assert shown == f"{tiny_dataset_dict}/validation/data-00000-of-00001.arrow:3"
+
+
+def test_each_file_is_opened_once_and_few_row_groups_are_kept(tiny_parquet, monkeypatch):
+    assert pq.ParquetFile(tiny_parquet / "train" / "part-0.parquet").num_row_groups == 3
+    group = pq.ParquetFile(tiny_parquet / "train" / "part-0.parquet").read_row_group(0)
+    limit = 2 * group.column("image").nbytes  # of the 7 row groups, about 2
+    monkeypatch.setattr(tables, "GROUPS_KEPT_BYTES", limit)
+    train = source(tiny_parquet).split("train").dataset
+    opened = []
+    real = tables._Parquet.__init__
+
+    def counted(self, path):
+        opened.append(path)
+        real(self, path)
+
+    monkeypatch.setattr(tables._Parquet, "__init__", counted)
+    for index in torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist():
+        train[index]
+        kept = train.open.groups.values()
+        assert sum(v.nbytes for v in kept) <= limit or len(kept) == 1
+    assert sorted(opened) == sorted(tiny_parquet.glob("train/*.parquet"))
+
+
+def test_facts_change_with_the_labels(tiny_data, tiny_parquet, tmp_path):
+    data = shutil.copytree(tiny_parquet, tmp_path / "data")
+    before = source(data).split("train").facts
+    changed = table_dataset(tiny_data, "train").select(range(10))
+    changed = changed.map(lambda row: {"label": (row["label"] + 1) % 3})
+    changed.to_parquet(data / "train" / "part-0.parquet")
+    after = source(data).split("train").facts
+    assert after["images"] == before["images"] and after["digest"] != before["digest"]
+
+
+def test_labels_without_a_class_label(tiny_data, tmp_path):
+    rows, _ = table_rows(tiny_data, "val")
+    write_table_set(tmp_path / "ints", datasets.Dataset.from_dict(rows))  # int64 labels 0..2
+    assert source(tmp_path / "ints").split("val").class_to_idx == {"0": 0, "1": 1, "2": 2}
+    rows["label"] = [["bar", "arrow", "circle"][label] for label in rows["label"]]
+    write_table_set(tmp_path / "strings", datasets.Dataset.from_dict(rows))
+    split = source(tmp_path / "strings").split("val")
+    assert split.class_to_idx == {"arrow": 0, "bar": 1, "circle": 2}  # sorted, as folders are
+    labels = [split.dataset[i][1] for i in range(len(split.dataset))]
+    assert labels == [[1, 0, 2][label] for label in table_rows(tiny_data, "val")[0]["label"]]
+
+
+@pytest.mark.parametrize(
+    ("label", "class_label", "message"),
+    [
+        (-1, True, "label -1 is out of range: the classes are 0..2 (its ClassLabel's names)"),
+        (7, False, None),  # without a ClassLabel, 7 makes 8 classes: no error
+        (-3, False, "label -3 is out of range: the classes are 0..2"),
+        (None, False, "no label (null in column 'label')"),
+    ],
+)
+def test_a_bad_label_is_named_by_file_and_row(tiny_data, tmp_path, label, class_label, message):
+    rows, classes = table_rows(tiny_data, "val")
+    rows["label"][4] = label
+    names = datasets.ClassLabel(names=classes) if class_label else datasets.Value("int64")
+    features = datasets.Features({"image": datasets.Image(), "label": names})
+    write_table_set(tmp_path, datasets.Dataset.from_dict(rows, features=features))
+    if message is None:
+        assert len(source(tmp_path).split("val").class_to_idx) == 8
+        return
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'train' / 'part-0.parquet'}:4: "):
+        source(tmp_path).names()
+    with pytest.raises(UserError) as raised:
+        source(tmp_path).split("val")
+    assert str(raised.value) == f"{tmp_path / 'val' / 'part-0.parquet'}:4: {message}"
+
+
+@pytest.fixture
+def bad_rows(tiny_data, tmp_path, monkeypatch):
+    """tiny_data's val as one Parquet file with a null image (row 2), bytes that are no image
+    (row 5) and an image stored by its path only (row 7), in train/ and val/ alike."""
+    rows, classes = table_rows(tiny_data, "val")
+    rows["image"][2] = None
+    rows["image"][5] = {"bytes": b"not an image at all", "path": "x.png"}
+    monkeypatch.chdir(tmp_path)  # datasets stores a path only where the file is
+    shutil.copy(tiny_data / "val" / "bar" / "00000.png", "elsewhere.png")
+    rows["image"][7] = {"bytes": None, "path": "elsewhere.png"}
+    write_table_set(tmp_path / "data", with_features(rows, classes))
+    return tmp_path / "data"
+
+
+REASONS = {
+    2: "no image (null in column 'image')",
+    5: "not an image in a format torchvision or PIL reads",
+    7: "no image bytes, only the path 'elsewhere.png': build the Image column from bytes, so "
+    "that the table holds the images",
+}
+
+
+def test_each_bad_row_has_its_reason_and_stops_the_loader(bad_rows):
+    table = source(bad_rows)
+    names = table.names(("val",))
+    assert [table.problem(name) for name in names] == [REASONS.get(i) for i in range(15)]
+    dataset = table.split("val").dataset
+    for row, reason in REASONS.items():
+        with pytest.raises(UserError) as raised:
+            dataset[row]
+        assert str(raised.value).startswith(
+            f"cannot read image {bad_rows / 'val' / 'part-0.parquet'}:{row}: {reason} ("
+        )
+
+
+def test_check_lists_the_bad_rows_and_skip_leaves_them_out(bad_rows, capsys):
+    with pytest.raises(UserError, match=r"^6 of 30 images in .* \(3 of 15 train, 3 of 15 val\)"):
+        check.check_command(str(bad_rows), workers=0, max_image_pixels=10**8, say=print)
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[:3] == [f"{bad_rows}/train/part-0.parquet:{i}: {REASONS[i]}" for i in REASONS]
+    leave_out = frozenset(
+        f"{split}/part-0.parquet:{i}" for split in ("train", "val") for i in REASONS
+    )
+    config = Config(data=str(bad_rows), batch_size=4, workers=0, image_size=16)
+    data = build_data(config, ONE, open_source(config), seed=0, leave_out=leave_out)
+    assert data.num_val == 12 and data.facts["train"]["images"] == 12
+    assert sum(len(target) for _, target in data.val_loader) == 12
+    assert sum(len(target) for _, target in data.train_loader) == 12
+
+
+def test_check_of_a_good_table_set_says_so(tiny_dataset_dict, capsys):
+    check.check_command(str(tiny_dataset_dict), workers=0, max_image_pixels=10**8, say=print)
+    assert (
+        capsys.readouterr().out
+        == f"all 39 images in {tiny_dataset_dict} decode (24 train, 15 val)\n"
+    )
+
+
+def test_other_column_names_are_given_by_flags(tiny_data, tmp_path):
+    rows, _ = table_rows(tiny_data, "val")
+    renamed = {"jpg": [r["bytes"] for r in rows["image"]], "cls": rows["label"]}
+    write_table_set(tmp_path, datasets.Dataset.from_dict(renamed))
+    with pytest.raises(
+        UserError, match="no column 'image' \\(it has jpg, cls\\): name it with --image-column"
+    ):
+        source(tmp_path).names()
+    split = source(tmp_path, image_column="jpg", label_column="cls").split("val")
+    assert split.class_to_idx == {"0": 0, "1": 1, "2": 2}  # no ClassLabel: the integers
+    folder = FolderSource(tiny_data).split("val")
+    for i in range(len(folder.dataset)):
+        (image, label), (expected, target) = split.dataset[i], folder.dataset[i]
+        assert torch.equal(image, expected) and label == target
+    with pytest.raises(UserError, match="must name two different columns"):
+        Config(image_column="x", label_column="x")
+
+
+def test_what_data_is_decides_its_source(tiny_data, tiny_parquet, tmp_path):
+    assert isinstance(open_source(Config(data=str(tiny_data))), FolderSource)
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(UserError, match=f"DATA: {tmp_path / 'nothing'} is neither an image folder"):
+        open_source(Config(data=str(tmp_path / "nothing")))
+    data = shutil.copytree(tiny_parquet, tmp_path / "data")
+    shutil.rmtree(data / "val")
+    with pytest.raises(UserError, match=f"DATA: {data / 'val'} holds no Parquet files"):
+        source(data).split("val")
+    (data / "train" / "part-1.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(
+        UserError, match=f"^{data / 'train' / 'part-1.parquet'}: not a Parquet file"
+    ):
+        source(data).split("train")
+
+
+def test_a_dataset_dict_without_a_val_split_is_refused(tiny_dataset_dict, tmp_path):
+    data = shutil.copytree(tiny_dataset_dict, tmp_path / "data")
+    (data / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    with pytest.raises(
+        UserError, match=r"lists the splits \['train', 'test'\], none of them validation or val"
+    ):
+        source(data).split("val")
+
+
+def test_without_pyarrow_the_extra_is_named(tiny_parquet, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(UserError, match=r"needs pyarrow: pip install 'ddptrain\[tables\]'"):
+        open_source(Config(data=str(tiny_parquet)))
+
+
+def test_loader_workers_read_the_same_batches(tiny_parquet):
+    """Each worker opens the files itself (forked with none open): the same batches as -j 0."""
+    batches = []
+    for workers in (0, 2):
+        config = Config(data=str(tiny_parquet), batch_size=8, workers=workers, image_size=16)
+        data = build_data(config, ONE, open_source(config), seed=3)
+        batches.append([*data.train_loader, *data.val_loader])
+    for (images, targets), (expected, expected_targets) in zip(*batches, strict=True):
+        assert torch.equal(images, expected) and torch.equal(targets, expected_targets)
