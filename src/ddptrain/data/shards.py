@@ -2,14 +2,15 @@
 them (data/shard_index.py), read by random access, so the sampler's seeded global order, exact
 evaluation and bitwise resume hold as on a folder.
 
-Shard bytes are read through one small reader (`LocalFiles`: size and read). Shard paths stay
-strings, joined to the set's root with "/", so a reader of URLs can stand in for it.
+Every byte comes through one small reader holding the set's base: `LocalFiles` here, and
+data/remote.py's `Remote` for a URL, with the same methods (url, fetch, read; and size, for the
+shard check). Shard paths stay strings relative to the base, never assumed local.
 """
 
 import os
 import resource
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -34,13 +35,21 @@ OPEN_SHARDS = _open_shards()
 
 
 class LocalFiles:
-    """Shards on a file system. Each process keeps its own handles to the shards it read last
+    """The files below a folder. Each process keeps its own handles to the shards it read last
     (not one open per sample), and opens its own after a fork: a loader worker never shares
-    its parent's. Stateless itself, so a dataset holding it pickles for any start method."""
+    its parent's. Holds only its base, so a dataset holding it pickles for any start method."""
 
-    def size(self, path: str) -> int | None:
+    def __init__(self, base: str):
+        self.base = base
+
+    def url(self, name: str) -> str:
+        """Where file `name` is, for messages."""
+        return f"{self.base.rstrip('/')}/{name}"
+
+    def size(self, name: str) -> int | None:
         """The file's size, None when there is none. Asked of every shard as a split is made:
-        a handle kept to a file since replaced at that path (packed again) is let go."""
+        a handle kept to a file since replaced there (packed again) is let go."""
+        path = self.url(name)
         try:
             found = os.stat(path)
         except FileNotFoundError:
@@ -50,8 +59,20 @@ class LocalFiles:
         _forget_if_replaced(path, found)
         return found.st_size
 
-    def read(self, path: str, offset: int, size: int) -> bytes:
-        """size bytes from offset; fewer where the file ends before."""
+    def fetch(self, name: str) -> bytes:
+        """The whole file (the index)."""
+        try:
+            with open(self.url(name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise UserError(f"DATA: {self.url(name)} does not exist") from None
+        except OSError as err:
+            raise UserError(f"cannot read {self.url(name)}: {err.strerror}") from None
+
+    def read(self, name: str, offset: int, size: int, whole_size: int) -> bytes:
+        """size bytes at offset of file `name` (whose size the index says is whole_size);
+        fewer where the file ends before."""
+        path = self.url(name)
         try:
             return os.pread(_handle(path), size, offset)
         except OSError as err:
@@ -86,34 +107,30 @@ def _handle(path: str) -> int:
 
 @dataclass(frozen=True, eq=False)
 class ShardSource:
-    """DATA as a packed set: index.json and its shards, below `root` (a folder)."""
+    """DATA as a packed set: index.json and its shards, below the reader's base."""
 
-    root: str
+    reader: LocalFiles  # or remote.Remote: the same methods
     index: shard_index.Index
     max_pixels: int = MAX_IMAGE_PIXELS
-    reader: LocalFiles = field(default_factory=LocalFiles)
     index_name: str = INDEX
 
     @classmethod
     def open(
-        cls,
-        root: str,
-        index_name: str = INDEX,
-        max_pixels: int = MAX_IMAGE_PIXELS,
-        reader: LocalFiles | None = None,
+        cls, reader: LocalFiles, index_name: str = INDEX, max_pixels: int = MAX_IMAGE_PIXELS
     ) -> "ShardSource":
-        """The set whose index is root/index_name, read and checked (shard_index.parse)."""
-        reader = reader or LocalFiles()
-        where = _join(root, index_name)
-        size = reader.size(where)
-        if size is None:
-            raise UserError(f"DATA: {where} does not exist")
-        index = shard_index.parse(reader.read(where, 0, size), where)
-        return cls(root, index, max_pixels, reader, index_name)
+        """The set whose index is index_name below the reader's base, read and checked
+        (shard_index.parse)."""
+        index = shard_index.parse(reader.fetch(index_name), reader.url(index_name))
+        return cls(reader, index, max_pixels, index_name)
+
+    @property
+    def root(self) -> str:
+        """The set's folder or URL, for messages."""
+        return self.reader.base
 
     @property
     def where(self) -> str:
-        return _join(self.root, self.index_name)
+        return self.reader.url(self.index_name)
 
     def has(self, split: str) -> bool:
         return split in self.index.splits
@@ -150,7 +167,7 @@ class ShardSource:
         return self.shown_at(*self._find(name))
 
     def shard_path(self, part: SplitIndex, i: int) -> str:
-        return _join(self.root, part.shards[part.shard[i]])
+        return self.reader.url(part.shards[part.shard[i]])
 
     def load(self, part: SplitIndex, i: int) -> torch.Tensor:
         """Sample i of part decoded (as an image file is: folder.decode_rgb)."""
@@ -163,8 +180,8 @@ class ShardSource:
         return f"{part.names[i]} in {self.shard_path(part, i)}"
 
     def _read(self, part: SplitIndex, i: int) -> tuple[bytes, str | None]:
-        offset, size = int(part.offset[i]), int(part.size[i])
-        encoded = self.reader.read(self.shard_path(part, i), offset, size)
+        offset, size, shard = int(part.offset[i]), int(part.size[i]), int(part.shard[i])
+        encoded = self.reader.read(part.shards[shard], offset, size, part.shard_bytes[shard])
         if len(encoded) == size:
             return encoded, None
         return encoded, (
@@ -179,8 +196,8 @@ class ShardSource:
         if part is None:
             raise UserError(f"DATA: {self.where} holds no {split} split")
         for shard, expected in zip(part.shards, part.shard_bytes, strict=True):
-            path = _join(self.root, shard)
-            size = self.reader.size(path)
+            path = self.reader.url(shard)
+            size = self.reader.size(shard)
             if size is None:
                 raise UserError(f"DATA: shard {path} is missing (listed in {self.where})")
             if size != expected:
@@ -227,7 +244,3 @@ class PackedImages(Dataset):
         if self.transform is not None:
             image = self.transform(image)
         return image, int(self.part.label[i])
-
-
-def _join(root: str, relative: str) -> str:
-    return f"{root.rstrip('/')}/{relative}" if root else relative

@@ -20,7 +20,7 @@ from torchvision.transforms import v2
 from ddptrain.config import MAX_IMAGE_PIXELS, Config
 from ddptrain.data import folder
 from ddptrain.data.shard_index import INDEX
-from ddptrain.data.shards import ShardSource
+from ddptrain.data.shards import LocalFiles, ShardSource
 from ddptrain.data.split import SPLITS, Split
 from ddptrain.data.synth import ensure_builtin
 from ddptrain.errors import UserError
@@ -119,9 +119,9 @@ def source_at(
     from ddptrain.data import tables  # here: tables.py imports Split from this module
 
     if root.suffix == ".json" and root.is_file():
-        return ShardSource.open(str(root.parent), root.name, max_pixels)
+        return ShardSource.open(LocalFiles(str(root.parent)), root.name, max_pixels)
     if (root / INDEX).is_file():
-        return ShardSource.open(str(root), INDEX, max_pixels)
+        return ShardSource.open(LocalFiles(str(root)), INDEX, max_pixels)
     expected = (
         "expected train/ and val/ holding class folders or Parquet files, a packed set's "
         f"{INDEX}, or a datasets DatasetDict's dataset_dict.json"
