@@ -1,8 +1,4 @@
-import functools
-import http.server
-import io
 import os
-import threading
 
 import pytest
 
@@ -11,6 +7,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from table_data import table_dataset  # noqa: E402
 
+from bench import http_files  # noqa: E402
 from ddptrain.data.synth import SynthSpec, write  # noqa: E402
 
 TINY = SynthSpec(classes=3, train_per_class=8, val_per_class=5, size=24, seed=0)
@@ -39,36 +36,6 @@ def tiny_data(tmp_path_factory):
     return write(TINY, tmp_path_factory.mktemp("data") / "tiny")
 
 
-class _Files(http.server.SimpleHTTPRequestHandler):
-    """A static file server; `ranges`: answers Range requests with 206 (Python's own handler
-    ignores them, as plain static servers do); `failures`: that many requests answered 503
-    first, as an overloaded server."""
-
-    ranges, failures = True, [0]
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def send_head(self):
-        if self.failures[0] > 0:
-            self.failures[0] -= 1
-            self.send_error(503, "busy")
-            return None
-        wanted = self.headers.get("Range")
-        path = self.translate_path(self.path)
-        if not (self.ranges and wanted and os.path.isfile(path)):
-            return super().send_head()
-        start, end = (int(x) for x in wanted.removeprefix("bytes=").split("-"))
-        with open(path, "rb") as f:
-            f.seek(start)
-            body = f.read(end - start + 1)
-        self.send_response(206)
-        self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/*")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        return io.BytesIO(body)
-
-
 @pytest.fixture
 def http_server():
     """serve(root, ranges=True, failures=0) -> the base URL of a real HTTP server on 127.0.0.1
@@ -76,15 +43,7 @@ def http_server():
     servers = []
 
     def serve(root, ranges: bool = True, failures: int = 0) -> str:
-        handler = type(
-            "Handler",
-            (_Files,),
-            {"ranges": ranges, "failures": [failures]},
-        )
-        server = http.server.ThreadingHTTPServer(
-            ("127.0.0.1", 0), functools.partial(handler, directory=str(root))
-        )
-        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        server = http_files.serve(root, ranges, failures)
         servers.append(server)
         return f"http://127.0.0.1:{server.server_port}"
 

@@ -97,7 +97,8 @@ HELP_GROUPS = {
         "no_accel",
     ),
     "ddptrain's own": (
-        "out_dir", "image_size", "image_column", "label_column", "nproc_per_node", "device",
+        "out_dir", "image_size", "image_column", "label_column", "cache_dir", "cache_size",
+        "nproc_per_node", "device",
         "local_rank", "dist_timeout", "checkpoint_every", "keep_last", "checkpoint_format", "amp",
         "channels_last", "compile", "strategy", "fsdp_offload", "reshard_after_forward",
         "ddp_comm_hook", "powersgd_rank", "powersgd_start_step", "bucket_cap_mb", "static_graph",
@@ -178,6 +179,19 @@ class DataSettings:
     )
     image_column: str = _flag("image", "a table set's column of encoded images", metavar="NAME")
     label_column: str = _flag("label", "a table set's column of class labels", metavar="NAME")
+    cache_dir: str | None = _flag(
+        None,
+        "a packed set at a URL: where shards a server sends only whole are kept, shared by the "
+        "node's ranks (default: ~/.cache/ddptrain/shards)",
+        metavar="DIR",
+        invocation=True,
+    )
+    cache_size: float = _flag(
+        10.0,
+        "the most that folder holds, in GiB (least recently used go first)",
+        metavar="GIB",
+        invocation=True,
+    )
     workers: int = _flag(4, "data loading workers per rank", "-j", "--workers", invocation=True)
     dummy: bool = _flag(False, "use random fake data (throughput tests)")
     image_size: int | None = _flag(
@@ -235,6 +249,7 @@ class DataSettings:
                 "--workers": (self.workers, 0),
                 "--image-size": (self.image_size, 16),
                 "--max-image-pixels": (self.max_image_pixels, 1),
+                "--cache-size": (self.cache_size, 0),
             }
         )
         _not_empty("DATA", self.root)

@@ -29,7 +29,15 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from ddptrain.config import Config
-from ddptrain.data.sources import SPLITS, Source, check_same_classes, open_source, source_at
+from ddptrain.data.remote import Remote, is_url
+from ddptrain.data.sources import (
+    SPLITS,
+    Source,
+    check_same_classes,
+    open_source,
+    packed_at_url,
+    source_at,
+)
 from ddptrain.data.workers import Loader
 from ddptrain.distributed.collectives import agree, check_same, gather_from_all
 from ddptrain.distributed.env import DistEnv
@@ -96,7 +104,10 @@ def check_command(
         raise UserError(f"-j/--workers must be at least 0, got {workers}")
     if max_image_pixels < 1:
         raise UserError(f"--max-image-pixels must be at least 1, got {max_image_pixels}")
-    source = source_at(root, max_image_pixels, image_column, label_column)
+    if is_url(data):
+        source = packed_at_url(Remote(data), max_image_pixels)
+    else:
+        source = source_at(root, max_image_pixels, image_column, label_column)
     splits = [split for split in SPLITS if source.has(split)]
     files = source.names(splits, say)
     workers = usable_cores() if workers is None else workers

@@ -25,15 +25,20 @@ def is_url(data: str) -> bool:
     return "://" in data and not data.startswith("file://")
 
 
-class Remote:
-    """Reads byte ranges of files under one base URL. Picklable: each loader worker makes its
-    own fsspec file system on first use (fsspec's HTTP client does not survive a fork)."""
+class _Missing(UserError):
+    """The server says the file is not there (404)."""
 
-    def __init__(self, base: str, cache_dir: Path | None = None, cache_bytes: int = 10 << 30):
+
+class Remote:
+    """Reads byte ranges of files under one base URL. Each process, loader workers included,
+    makes its own fsspec file system on first use: fsspec's HTTP client does not survive a
+    fork."""
+
+    def __init__(self, base: str, cache_dir: str | None = None, cache_bytes: int = 10 << 30):
         self.base = base.rstrip("/")
         self.cache_dir = Path(cache_dir) if cache_dir else synth.cache_dir() / "shards"
         self.cache_bytes = cache_bytes
-        self._fs = None
+        self._fs, self._pid = None, None
         self._whole: set[str] = set()  # shards this process found the server sends only whole
 
     def __getstate__(self):
@@ -41,6 +46,13 @@ class Remote:
 
     def url(self, name: str) -> str:
         return f"{self.base}/{name}"
+
+    def size(self, name: str) -> int | None:
+        """The file's size, None when there is none."""
+        try:
+            return self._retried(name, lambda fs, url: fs.size(url))
+        except _Missing:
+            return None
 
     def fetch(self, name: str) -> bytes:
         """The whole file `name` (the index)."""
@@ -114,16 +126,18 @@ class Remote:
 
     def _retried(self, name: str, request):
         url = self.url(name)
-        if self._fs is None:
+        if self._fs is None or self._pid != os.getpid():  # a forked worker makes its own
             import fsspec
 
-            self._fs, _ = fsspec.core.url_to_fs(self.base)
+            # Not fsspec's instance cache either: it would hand a worker its parent's client.
+            self._fs, _ = fsspec.core.url_to_fs(self.base, skip_instance_cache=True)
+            self._pid = os.getpid()
         delay = BACKOFF
         for attempt in range(RETRIES + 1):
             try:
                 return request(self._fs, url)
             except FileNotFoundError:
-                raise UserError(f"{url}: not found (404)") from None
+                raise _Missing(f"{url}: not found (404)") from None
             except PermissionError as err:
                 raise UserError(f"{url}: access denied ({err})") from None
             except Exception as err:  # connection errors, timeouts, 5xx: maybe transient

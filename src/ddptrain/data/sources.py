@@ -19,6 +19,7 @@ from torchvision.transforms import v2
 
 from ddptrain.config import MAX_IMAGE_PIXELS, Config
 from ddptrain.data import folder
+from ddptrain.data.remote import Remote, is_url
 from ddptrain.data.shard_index import INDEX
 from ddptrain.data.shards import LocalFiles, ShardSource
 from ddptrain.data.split import SPLITS, Split
@@ -104,7 +105,19 @@ def open_source(config: Config, log=None) -> Source:
     if config.data.root is None:
         return FolderSource(ensure_builtin(log=log), config.max_image_pixels)
     data = config.data
+    if is_url(data.root):
+        reader = Remote(data.root, data.cache_dir, int(data.cache_size * 2**30))
+        return packed_at_url(reader, data.max_image_pixels)
     return source_at(Path(data.root), data.max_image_pixels, data.image_column, data.label_column)
+
+
+def packed_at_url(reader: Remote, max_pixels: int = MAX_IMAGE_PIXELS) -> ShardSource:
+    """A packed set at a URL: the index's own (ending in .json), or a folder holding one."""
+    if reader.base.endswith(".json"):
+        base, _, name = reader.base.rpartition("/")
+        reader = Remote(base, reader.cache_dir, reader.cache_bytes)
+        return ShardSource.open(reader, name, max_pixels)
+    return ShardSource.open(reader, INDEX, max_pixels)
 
 
 def source_at(
