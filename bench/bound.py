@@ -116,7 +116,9 @@ def main() -> None:
     loaders = build_data(config.replace(workers=0), env, open_source(config), seed=0)
     steps = loaders.train_sampler.steps
     batches = list(itertools.islice(loaders.train_loader, steps))
-    model = build_model(config.arch, loaders.num_classes, config.image_size, pretrained=False)
+    model = build_model(
+        config.model.arch, loaders.num_classes, config.data.image_size, pretrained=False
+    )
     precision = resolve_precision(
         config.model,
         None,

@@ -758,22 +758,6 @@ class Config:
         """This config with the settings `flat` names changed, checked as it was made."""
         return type(self)(**{**self.to_dict(), **flat})
 
-    def __getattr__(self, name: str):
-        # Transitional: a flat read (`config.lr`) gives its section's value, so that modules
-        # not yet reading their section (config.optim.lr) keep working. Goes once they all do.
-        # Never `data`, which is the section (DATA is config.data.root).
-        place = _FLAT_READS.get(name)
-        if place is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(getattr(self, place[0]), place[1])
-
-
-_FLAT_READS = {
-    **{key: place for key, place in _PLACES.items() if key != "data"},
-    "checks_images": ("data", "checks_images"),
-    "eval_crop": ("data", "eval_crop"),
-}
-
 
 # The flat keys in the order of `--help`: DATA, then HELP_GROUPS.
 _ORDER = ("data", *(key for keys in HELP_GROUPS.values() for key in keys))

@@ -357,7 +357,7 @@ def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
         config.optim.batch_size // env.world_size,
         config.data.image_size,
         amp,
-        **{name: getattr(config, name) for name in MEMORY_SETTINGS},
+        **{name: config.to_dict()[name] for name in MEMORY_SETTINGS},
     )
     try:
         line = plan_line(

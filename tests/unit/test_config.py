@@ -11,7 +11,15 @@ from ddptrain.errors import UserError
 
 def test_defaults_follow_the_classic_example():
     c = Config(data="/data")
-    assert (c.arch, c.workers, c.epochs, c.batch_size, c.lr, c.momentum, c.weight_decay) == (
+    assert (
+        c.model.arch,
+        c.data.workers,
+        c.optim.epochs,
+        c.optim.batch_size,
+        c.optim.lr,
+        c.optim.momentum,
+        c.optim.weight_decay,
+    ) == (
         "resnet18",
         4,
         90,
@@ -20,13 +28,15 @@ def test_defaults_follow_the_classic_example():
         0.9,
         1e-4,
     )
-    assert c.dist_url == "env://" and c.dist_backend is None and c.image_size == 224
+    assert (
+        c.launch.dist_url == "env://" and c.launch.dist_backend is None and c.data.image_size == 224
+    )
 
 
 def test_builtin_dataset_gets_its_own_image_size():
-    assert Config().image_size == 32
-    assert Config(image_size=64).image_size == 64
-    assert Config(dummy=True).image_size == 224
+    assert Config().data.image_size == 32
+    assert Config(image_size=64).data.image_size == 64
+    assert Config(dummy=True).data.image_size == 224
 
 
 @pytest.mark.parametrize(
@@ -129,7 +139,14 @@ def test_cli_maps_the_classic_flags():
         ]
     )
     assert command == "train"
-    assert (c.data.root, c.arch, c.workers, c.batch_size, c.lr, c.weight_decay) == (
+    assert (
+        c.data.root,
+        c.model.arch,
+        c.data.workers,
+        c.optim.batch_size,
+        c.optim.lr,
+        c.optim.weight_decay,
+    ) == (
         "/d",
         "resnet34",
         2,
@@ -137,19 +154,25 @@ def test_cli_maps_the_classic_flags():
         0.5,
         0.01,
     )
-    assert (c.print_freq, c.resume, c.seed, c.world_size, c.rank) == (3, "auto", 7, 2, 1)
+    assert (
+        c.report.print_freq,
+        c.checkpoint.resume,
+        c.optim.seed,
+        c.launch.world_size,
+        c.launch.rank,
+    ) == (3, "auto", 7, 2, 1)
 
 
 def test_cli_accepts_local_rank_where_torch_distributed_launch_puts_it():
     _, (c, _) = parse(["--local-rank=1", "train", "/d"])
-    assert c.local_rank == 1
+    assert c.launch.local_rank == 1
     _, (c, _) = parse(["train", "/d", "--local_rank", "0"])
-    assert c.local_rank == 0
+    assert c.launch.local_rank == 0
 
 
 def test_eval_is_train_evaluate():
     _, (c, _) = parse(["eval", "/d", "--resume", "ckpt.pt"])
-    assert c.evaluate and c.resume == "ckpt.pt"
+    assert c.checkpoint.evaluate and c.checkpoint.resume == "ckpt.pt"
 
 
 def test_synth_command():
@@ -159,9 +182,13 @@ def test_synth_command():
 
 def test_precision_flags():
     _, (c, _) = parse(["train", "--amp", "bf16", "--no-channels-last", "--compile"])
-    assert (c.amp, c.channels_last, c.compile) == ("bf16", False, True)
+    assert (c.model.amp, c.model.channels_last, c.model.compile) == ("bf16", False, True)
     _, (c, _) = parse(["train"])
-    assert (c.amp, c.channels_last, c.compile) == (None, None, None)  # resolved at run time
+    assert (c.model.amp, c.model.channels_last, c.model.compile) == (
+        None,
+        None,
+        None,
+    )  # resolved at run time
 
 
 @pytest.mark.parametrize(
@@ -205,8 +232,8 @@ def test_empty_paths():
     # --resume "" is none, as the classic example's `if args.resume:` reads it (a script's
     # --resume "$CKPT" with CKPT unset); an empty --out-dir or DATA would be the current
     # directory, unsaid.
-    assert parse(["train", "--resume", ""])[1][0].resume is None
-    assert parse(["train", "--resume", "auto"])[1][0].resume == "auto"
+    assert parse(["train", "--resume", ""])[1][0].checkpoint.resume is None
+    assert parse(["train", "--resume", "auto"])[1][0].checkpoint.resume == "auto"
     for args, flag in ((["train", "--out-dir", ""], "--out-dir"), (["train", " "], "DATA")):
         with pytest.raises(UserError, match=f"^{flag}: the path is empty$"):
             parse(args)
@@ -233,9 +260,9 @@ def test_the_recipe_flags_parse():
             "40",
         ]
     )
-    assert (c.crop_scale, c.hflip, c.auto_augment) == ((0.25, 1.0), 0.0, "ra")
-    assert (c.lr_milestones, c.model_ema, c.val_resize) == ((30, 60), True, 40)
-    assert parse(["train", "--model-ema", "--no-model-ema"])[1][0].model_ema is False
+    assert (c.data.crop_scale, c.data.hflip, c.data.auto_augment) == ((0.25, 1.0), 0.0, "ra")
+    assert (c.optim.lr_milestones, c.optim.model_ema, c.data.val_resize) == ((30, 60), True, 40)
+    assert parse(["train", "--model-ema", "--no-model-ema"])[1][0].optim.model_ema is False
 
 
 @pytest.mark.parametrize(
@@ -250,7 +277,7 @@ def test_ddp_communication_flags_are_refused_under_fsdp(flags, named):
     with pytest.raises(UserError, match=f"{named} goes with --strategy ddp"):
         parse(["train", "--strategy", "fsdp", *flags])
     _, (config, _) = parse(["train", *flags])  # and taken under ddp
-    assert config.strategy == "ddp"
+    assert config.parallel.strategy == "ddp"
 
 
 def test_powersgd_with_a_static_graph_or_fp16_is_refused():

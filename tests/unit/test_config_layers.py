@@ -33,12 +33,17 @@ def test_argparse_leaves_out_what_was_not_given():
 def test_each_layer_wins_over_the_one_below(tmp_path):
     file = write(tmp_path, 'epochs = 5\nlr = 0.3\nauto-augment = "ta_wide"\n')
     _, (c, layers) = parse(["train", "--config", file, "--lr", "0.2"])
-    assert (c.epochs, c.lr, c.auto_augment, c.batch_size) == (5, 0.2, "ta_wide", 256)
+    assert (c.optim.epochs, c.optim.lr, c.data.auto_augment, c.optim.batch_size) == (
+        5,
+        0.2,
+        "ta_wide",
+        256,
+    )
     saved = {**Config(epochs=9, lr=0.7, momentum=0.5, amp="bf16").to_dict(), "batch_size": 64}
     r = resumed(c, layers, saved)
     # flags and the file beat the checkpoint; the checkpoint beats the defaults
-    assert (r.epochs, r.lr, r.auto_augment) == (5, 0.2, "ta_wide")
-    assert (r.momentum, r.amp, r.batch_size) == (0.5, "bf16", 64)
+    assert (r.optim.epochs, r.optim.lr, r.data.auto_augment) == (5, 0.2, "ta_wide")
+    assert (r.optim.momentum, r.model.amp, r.optim.batch_size) == (0.5, "bf16", 64)
     given = {name: c.to_dict()[name] for name in layers.given}
     assert {name: r.to_dict()[name] for name in layers.given} == given
 
@@ -46,7 +51,7 @@ def test_each_layer_wins_over_the_one_below(tmp_path):
 def test_an_explicit_default_beats_the_checkpoint():
     _, (c, layers) = parse(["train", "--amp", "none", "--channels-last"])
     r = resumed(c, layers, Config(amp="bf16", channels_last=False, compile=True).to_dict())
-    assert (r.amp, r.channels_last, r.compile) == ("none", True, True)
+    assert (r.model.amp, r.model.channels_last, r.model.compile) == ("none", True, True)
     _, (c, layers) = parse(["train"])
     assert resumed(c, layers, None) is c
 
@@ -63,9 +68,15 @@ def test_a_checkpoint_never_says_where_or_how_to_run():
         epochs=12,
     ).to_dict()
     r = resumed(Config(), Layers(), {**saved, "a_key_from_another_version": 1})
-    assert r.epochs == 12
-    assert (r.resume, r.out_dir, r.workers, r.world_size, r.rank) == (None, ".", 4, -1, -1)
-    assert (r.multiprocessing_distributed, r.device) == (False, "auto")
+    assert r.optim.epochs == 12
+    assert (
+        r.checkpoint.resume,
+        r.checkpoint.out_dir,
+        r.data.workers,
+        r.launch.world_size,
+        r.launch.rank,
+    ) == (None, ".", 4, -1, -1)
+    assert (r.launch.multiprocessing_distributed, r.launch.device) == (False, "auto")
 
 
 def test_lr_and_lr_base_are_one_setting(tmp_path):
@@ -73,15 +84,15 @@ def test_lr_and_lr_base_are_one_setting(tmp_path):
         parse(["train", "--lr", "0.1", "--lr-base", "0.1"])
     file = write(tmp_path, "lr = 0.5\n")
     _, (c, _) = parse(["train", "--config", file, "--lr-base", "0.2"])
-    assert c.lr_base == 0.2 and c.lr == Config().lr
+    assert c.optim.lr_base == 0.2 and c.optim.lr == Config().optim.lr
     file = write(tmp_path, "lr-base = 0.2\n")
     _, (c, _) = parse(["train", "--config", file, "--lr", "0.05"])
-    assert c.lr == 0.05 and c.lr_base is None
+    assert c.optim.lr == 0.05 and c.optim.lr_base is None
     # a checkpoint that scaled its LR keeps doing so, unless --lr is given
     saved = Config(lr_base=0.4, batch_size=512).to_dict()
-    assert resumed(*parse(["train"])[1], saved).lr_base == 0.4
+    assert resumed(*parse(["train"])[1], saved).optim.lr_base == 0.4
     r = resumed(*parse(["train", "--lr", "0.01"])[1], saved)
-    assert (r.lr, r.lr_base) == (0.01, None)
+    assert (r.optim.lr, r.optim.lr_base) == (0.01, None)
     both = write(tmp_path, "lr = 0.1\nlr-base = 0.1\n")
     with pytest.raises(UserError, match=f"--config {both}: --lr and --lr-base"):
         parse(["train", "--config", both])
@@ -157,14 +168,14 @@ def test_config_json_feeds_back_without_resolved_or_invocation_settings(tmp_path
     saved = {**record.to_dict(), "resolved": {"world_size": 2, "per_rank_batch": 128}}
     file = write(tmp_path, json.dumps(saved), "config.json")
     _, (c, _) = parse(["train", "--config", file, "--out-dir", "runs/b"])
-    assert (c.data.root, c.epochs, c.lr_base, c.hflip, c.crop_scale) == (
+    assert (c.data.root, c.optim.epochs, c.optim.lr_base, c.data.hflip, c.data.crop_scale) == (
         "/data",
         3,
         0.2,
         0.0,
         (0.3, 1),
     )
-    assert c.out_dir == "runs/b"
+    assert c.checkpoint.out_dir == "runs/b"
     assert c.to_dict() == {**record.to_dict(), "out_dir": "runs/b"}
     with pytest.raises(UserError, match="unknown key 'surprise'"):
         read(write(tmp_path, json.dumps({**saved, "surprise": 1}), "config.json"))
@@ -175,32 +186,43 @@ def test_shipped_recipes_parse_and_classic_is_the_defaults():
     _, (classic, _) = parse(["train", "/data", "--config", "recipe:classic"])
     assert classic == Config(data="/data")
     _, (r50, _) = parse(["train", "/data", "--config", "recipe:resnet50-torchvision"])
-    assert (r50.arch, r50.batch_size, r50.lr, r50.epochs, r50.image_size) == (
+    assert (
+        r50.model.arch,
+        r50.optim.batch_size,
+        r50.optim.lr,
+        r50.optim.epochs,
+        r50.data.image_size,
+    ) == (
         "resnet50",
         1024,
         0.5,
         600,
         176,
     )
-    assert (r50.val_resize, r50.val_crop, r50.model_ema, r50.lr_scheduler) == (
+    assert (
+        r50.data.val_resize,
+        r50.data.val_crop,
+        r50.optim.model_ema,
+        r50.optim.lr_scheduler,
+    ) == (
         232,
         224,
         True,
         "cosine",
     )
     _, (small, _) = parse(["train", "--config", "recipe:small-images", "--epochs", "10"])
-    assert small.hflip == 0.0 and small.lr_base is not None and small.model_ema
+    assert small.data.hflip == 0.0 and small.optim.lr_base is not None and small.optim.model_ema
 
 
 def test_eval_shares_the_flags_and_the_files(tmp_path):
     file = write(tmp_path, "image-size = 64\n")
     _, (c, _) = parse(["eval", "/d", "--resume", "ckpt.pt", "--config", file, "--val-crop", "60"])
-    assert c.evaluate and (c.image_size, c.val_crop) == (64, 60)
+    assert c.checkpoint.evaluate and (c.data.image_size, c.data.val_crop) == (64, 60)
 
 
 def test_merge_is_usable_without_the_cli():
     c, _ = merge({"lr": 0.2}, file={"epochs": 3}, saved={"epochs": 7, "momentum": 0.1})
-    assert (c.lr, c.epochs, c.momentum) == (0.2, 3, 0.1)
+    assert (c.optim.lr, c.optim.epochs, c.optim.momentum) == (0.2, 3, 0.1)
 
 
 @pytest.mark.parametrize(
@@ -288,7 +310,7 @@ def test_settings_checked_against_each_other_wait_for_the_checkpoints():
     assert isinstance(waiting.replace(data="/d"), Unsettled)  # run.py's image check takes one
     fsdp_16px = {**Config().to_dict(), "strategy": "fsdp", "image_size": 16}
     merged = resumed(waiting, layers, fsdp_16px)
-    assert type(merged) is Config and merged.fsdp_offload and merged.val_resize == 20
+    assert type(merged) is Config and merged.parallel.fsdp_offload and merged.data.val_resize == 20
     assert settled(merged) is merged
     with pytest.raises(UserError, match="--fsdp-offload goes with --strategy fsdp"):
         resumed(waiting, layers, {**fsdp_16px, "strategy": "ddp"})

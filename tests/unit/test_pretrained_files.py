@@ -114,17 +114,17 @@ def test_a_missing_or_unreadable_file_is_one_error_naming_it(tmp_path, name):
 
 
 def test_the_flag_takes_an_optional_file(tmp_path):
-    assert parse(["train", "DATA", "--pretrained"])[1][0].pretrained is True
+    assert parse(["train", "DATA", "--pretrained"])[1][0].model.pretrained is True
     assert (
-        parse(["train", "--pretrained", "w.safetensors", "DATA"])[1][0].pretrained
+        parse(["train", "--pretrained", "w.safetensors", "DATA"])[1][0].model.pretrained
         == "w.safetensors"
     )
-    assert parse(["train", "--pretrained=w.pt"])[1][0].pretrained == "w.pt"
-    assert parse(["train"])[1][0].pretrained is False
-    assert parse(["eval", "--pretrained", "w.safetensors"])[1][0].evaluate
+    assert parse(["train", "--pretrained=w.pt"])[1][0].model.pretrained == "w.pt"
+    assert parse(["train"])[1][0].model.pretrained is False
+    assert parse(["eval", "--pretrained", "w.safetensors"])[1][0].checkpoint.evaluate
     # The classic example's `--pretrained DATA`: a directory is the data, not a weights file.
     config = parse(["train", "--pretrained", str(tmp_path)])[1][0]
-    assert (config.pretrained, config.data.root) == (True, str(tmp_path))
+    assert (config.model.pretrained, config.data.root) == (True, str(tmp_path))
     with pytest.raises(UserError, match="--pretrained FILE: the path is empty"):
         parse(["train", "--pretrained="])
 

@@ -24,7 +24,7 @@ def curve(config: Config, steps_per_epoch=STEPS, steps=None):
     """The LR of each optimizer step, stepping the schedule after each, as the trainer does."""
     optimizer, scheduler = build_optimizer(model(), config.optim, steps_per_epoch)
     lrs = []
-    for _ in range(steps or config.epochs * steps_per_epoch):
+    for _ in range(steps or config.optim.epochs * steps_per_epoch):
         lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()

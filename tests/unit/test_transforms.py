@@ -38,15 +38,15 @@ def test_the_defaults_are_todays_classic_presets_draw_for_draw():
     for size in (16, 32, 48):
         config = Config(image_size=size)
         for seed in range(8):
-            new = drawn(build_train_transform(config), image, seed)
+            new = drawn(build_train_transform(config.data), image, seed)
             assert torch.equal(new, drawn(train_transform(size), image, seed))
-        assert torch.equal(build_val_transform(config)(image), val_transform(size)(image))
-        assert val_sizes(config) == (round(size / 0.875), size)
+        assert torch.equal(build_val_transform(config.data)(image), val_transform(size)(image))
+        assert val_sizes(config.data) == (round(size / 0.875), size)
 
 
 def test_crop_scale_ratio_and_interpolation_reach_the_crop():
     config = Config(crop_scale=(0.5, 0.9), crop_ratio=(1.0, 1.0), interpolation="bicubic")
-    crop = build_train_transform(config).transforms[0]
+    crop = build_train_transform(config.data).transforms[0]
     assert isinstance(crop, v2.RandomResizedCrop)
     assert (crop.scale, crop.ratio) == ((0.5, 0.9), (1.0, 1.0))
     assert crop.interpolation == v2.InterpolationMode.BICUBIC
@@ -54,17 +54,17 @@ def test_crop_scale_ratio_and_interpolation_reach_the_crop():
     whole = Config(image_size=16, crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), hflip=0.0)
     square = picture(40, 40)
     expected = v2.Resize(16, antialias=True)(square)
-    assert torch.equal(drawn(build_train_transform(whole), square, 0), expected)
+    assert torch.equal(drawn(build_train_transform(whole.data), square, 0), expected)
 
 
 def test_hflip_probability_and_off():
     assert not any(
         isinstance(t, v2.RandomHorizontalFlip)
-        for t in build_train_transform(Config(hflip=0.0)).transforms
+        for t in build_train_transform(Config(hflip=0.0).data).transforms
     )
     always = Config(image_size=16, crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), hflip=1.0)
     square = picture(16, 16)
-    assert torch.equal(drawn(build_train_transform(always), square, 0), square.flip(-1))
+    assert torch.equal(drawn(build_train_transform(always.data), square, 0), square.flip(-1))
 
 
 @pytest.mark.parametrize(
@@ -78,7 +78,7 @@ def test_hflip_probability_and_off():
 )
 def test_auto_augment_policies_run_on_uint8(name, kind):
     config = Config(image_size=24, auto_augment=name, ra_magnitude=15, interpolation="nearest")
-    transform = build_train_transform(config)
+    transform = build_train_transform(config.data)
     policy = transform.transforms[-1]
     assert isinstance(policy, kind) and policy.interpolation == v2.InterpolationMode.NEAREST
     if name == "ra":
@@ -90,7 +90,7 @@ def test_auto_augment_policies_run_on_uint8(name, kind):
 
 def test_random_erase_fills_a_rectangle_with_the_mean_colour_on_uint8():
     config = Config(image_size=32, random_erase=1.0, hflip=0.0)
-    erase = build_train_transform(config).transforms[-1]
+    erase = build_train_transform(config.data).transforms[-1]
     assert isinstance(erase, v2.RandomErasing) and erase.p == 1.0
     image = torch.zeros(3, 32, 32, dtype=torch.uint8)
     out = drawn(erase, image, 0)
@@ -98,18 +98,18 @@ def test_random_erase_fills_a_rectangle_with_the_mean_colour_on_uint8():
     assert out.dtype == torch.uint8 and changed.any()
     assert torch.equal(out[:, changed].unique(dim=1), torch.tensor([MEAN_UINT8]).T)
     assert not any(
-        isinstance(t, v2.RandomErasing) for t in build_train_transform(Config()).transforms
+        isinstance(t, v2.RandomErasing) for t in build_train_transform(Config().data).transforms
     )
 
 
 def test_val_resize_and_crop():
     config = Config(image_size=176, val_resize=232, val_crop=224, interpolation="bicubic")
-    assert val_sizes(config) == (232, 224)
-    resize, crop = build_val_transform(config).transforms
+    assert val_sizes(config.data) == (232, 224)
+    resize, crop = build_val_transform(config.data).transforms
     assert resize.size == [232] and crop.size == (224, 224)
     assert resize.interpolation == v2.InterpolationMode.BICUBIC
-    assert build_val_transform(config)(picture(250, 300)).shape == (3, 224, 224)
-    assert val_sizes(Config(image_size=32, val_crop=40)) == (46, 40)
+    assert build_val_transform(config.data)(picture(250, 300)).shape == (3, 224, 224)
+    assert val_sizes(Config(image_size=32, val_crop=40).data) == (46, 40)
 
 
 class Pictures(Dataset):
@@ -125,7 +125,7 @@ class Pictures(Dataset):
 
 def test_the_full_augmentation_repeats_for_the_same_sample_seed():
     config = Config(image_size=24, auto_augment="ta_wide", random_erase=0.5)
-    samples = SeededSamples(Pictures(build_train_transform(config)))
+    samples = SeededSamples(Pictures(build_train_transform(config.data)))
     first, again = samples[1, 1234][0], samples[1, 1234][0]
     assert torch.equal(first, again)
     assert any(not torch.equal(first, samples[1, seed][0]) for seed in range(5))

@@ -136,22 +136,22 @@ def images_to_leave_out(
     skip leaves out, the same on every rank; with error, a bad file stops every rank. Nothing
     to do for the built-in data set and --dummy. A collective: every rank calls it. Rank 0
     shows the bad files (stderr), its bar and the verdict (stdout) through say and counting."""
-    if not config.checks_images or config.data.root is None or config.dummy:
+    if not config.data.checks_images or config.data.root is None or config.data.dummy:
         return frozenset()
     if not env.is_main:  # other ranks stay quiet
         say, counting = _quiet, _uncounted
     source = agree(env, lambda: open_source(config))
     root = source.root
-    files = agree(env, lambda: source.names(("val",) if config.evaluate else SPLITS))
+    files = agree(env, lambda: source.names(("val",) if config.checkpoint.evaluate else SPLITS))
     listed = hashlib.sha256(os.fsencode("\n".join(files))).hexdigest()  # names need not be UTF-8
     check_same(env, {"image files": listed})  # else the ranks' shares would not cover them
     share = files[env.rank :: env.world_size]
     found = agree(
         env,
-        lambda: find_bad(source, share, config.workers, counting),
+        lambda: find_bad(source, share, config.data.workers, counting),
     )
     bad = sorted(item for part in gather_from_all(env, found) for item in part)
-    skip = config.bad_images == "skip"
+    skip = config.data.bad_images == "skip"
     for path, reason in bad:
         what = "warning: --bad-images skip: leaving out" if skip else "bad image"
         say(f"{what} {source.shown(path)}: {reason}", stderr=True)

@@ -55,29 +55,29 @@ def build_data(
     """Loaders for this rank. `seed` orders and augments the data; equal on every rank.
     `leave_out`: samples the image check found bad (source.names), left out on every rank
     alike (data/check.py)."""
-    per_rank = config.batch_size // env.world_size
-    val = source.split("val", build_val_transform(config), leave_out)
+    per_rank = config.optim.batch_size // env.world_size
+    val = source.split("val", build_val_transform(config.data), leave_out)
     common = dict(
-        num_workers=config.workers,
+        num_workers=config.data.workers,
         pin_memory=env.device.type == "cuda",
-        persistent_workers=config.workers > 0,
+        persistent_workers=config.data.workers > 0,
     )
     val_loader = Loader(EvalShard(val.dataset, env.rank, env.world_size), per_rank, **common)
     facts = {"val": val.facts}
-    if config.evaluate:
+    if config.checkpoint.evaluate:
         warnings = [val.warning] if val.warning else []
         return Data(None, None, val_loader, len(val.dataset), val.class_to_idx, facts, warnings)
-    train = source.split("train", build_train_transform(config), leave_out)
+    train = source.split("train", build_train_transform(config.data), leave_out)
     check_same_classes(train, val)
     warnings = [line for line in (train.warning, val.warning) if line]
     images = len(train.dataset)
-    if images < config.batch_size:
+    if images < config.optim.batch_size:
         stray = getattr(train.dataset, "loose", [])  # an image folder's (folder.ImageFolder)
         raise UserError(
-            f"--batch-size {config.batch_size} is larger than the {images} training images"
+            f"--batch-size {config.optim.batch_size} is larger than the {images} training images"
             + (f" ({len(stray)} more in {train.where} sit in no class folder)" if stray else "")
         )
-    sampler = GlobalBatchSampler(images, config.batch_size, env.rank, env.world_size, seed)
+    sampler = GlobalBatchSampler(images, config.optim.batch_size, env.rank, env.world_size, seed)
     train_loader = Loader(SeededSamples(train.dataset), per_rank, sampler=sampler, **common)
     facts["train"] = train.facts
     return Data(

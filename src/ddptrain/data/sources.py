@@ -100,11 +100,11 @@ Source = "FolderSource | ShardSource | TableSource | DummySource"
 
 def open_source(config: Config, log=None) -> Source:
     """The source DATA names; `log` hears of the built-in data set being made."""
-    if config.dummy:
-        return DummySource(config.image_size)
-    if config.data.root is None:
-        return FolderSource(ensure_builtin(log=log), config.max_image_pixels)
     data = config.data
+    if data.dummy:
+        return DummySource(data.image_size)
+    if data.root is None:
+        return FolderSource(ensure_builtin(log=log), data.max_image_pixels)
     if is_url(data.root):
         reader = Remote(data.root, data.cache_dir, int(data.cache_size * 2**30))
         return packed_at_url(reader, data.max_image_pixels)

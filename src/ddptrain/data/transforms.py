@@ -1,16 +1,17 @@
 """Train and val transforms on uint8 tensors (transforms v2), and the normalisation constants.
 
-`build_train_transform(config)` and `build_val_transform(config)` make the run's transforms
-from the augmentation flags; with the defaults they are the classic presets `train_transform`
-and `val_transform`, draw for draw. They run in the loader workers, on uint8 images, under each
-sample's own seed (data/sampler.py `SeededSamples`), so augmentation stays the same for a
-sample at any world size, worker count, or resume point. Normalisation comes later, on the
-device (`Precision.inputs`); batch-level mixing (mixup, cutmix) after it, in train/loss.py.
+`build_train_transform(config.data)` and `build_val_transform(config.data)` make the run's
+transforms from the augmentation flags; with the defaults they are the classic presets
+`train_transform` and `val_transform`, draw for draw. They run in the loader workers, on uint8
+images, under each sample's own seed (data/sampler.py `SeededSamples`), so augmentation stays
+the same for a sample at any world size, worker count, or resume point. Normalisation comes
+later, on the device (`Precision.inputs`); batch-level mixing (mixup, cutmix) after it, in
+train/loss.py.
 """
 
 from torchvision.transforms import v2
 
-from ddptrain.config import VAL_CROP_RATIO, Config
+from ddptrain.config import VAL_CROP_RATIO, DataSettings
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # Random erasing on uint8 images fills with the mean colour, which normalises to about 0:
@@ -35,42 +36,42 @@ def val_transform(size: int) -> v2.Compose:
     return v2.Compose([v2.Resize(round(size / 0.875), antialias=True), v2.CenterCrop(size)])
 
 
-def build_train_transform(config: Config) -> v2.Compose:
+def build_train_transform(data: DataSettings) -> v2.Compose:
     """uint8 (3, H, W) -> uint8 (3, S, S), S = --image-size: a random resized crop, then the
     flip, the auto-augment policy and random erasing the flags ask for, in torchvision's
     references' order."""
-    interpolation = INTERPOLATION[config.interpolation]
+    interpolation = INTERPOLATION[data.interpolation]
     steps = [
         v2.RandomResizedCrop(
-            config.image_size,
-            scale=config.crop_scale,
-            ratio=config.crop_ratio,
+            data.image_size,
+            scale=data.crop_scale,
+            ratio=data.crop_ratio,
             interpolation=interpolation,
             antialias=True,
         )
     ]
-    if config.hflip > 0:
-        steps.append(v2.RandomHorizontalFlip(config.hflip))
-    policy = _auto_augment(config.auto_augment, config.ra_magnitude, interpolation)
+    if data.hflip > 0:
+        steps.append(v2.RandomHorizontalFlip(data.hflip))
+    policy = _auto_augment(data.auto_augment, data.ra_magnitude, interpolation)
     if policy is not None:
         steps.append(policy)
-    if config.random_erase > 0:
-        steps.append(v2.RandomErasing(config.random_erase, value=MEAN_UINT8))
+    if data.random_erase > 0:
+        steps.append(v2.RandomErasing(data.random_erase, value=MEAN_UINT8))
     return v2.Compose(steps)
 
 
-def val_sizes(config: Config) -> tuple[int, int]:
+def val_sizes(data: DataSettings) -> tuple[int, int]:
     """(resize, crop) of validation images: --val-resize and --val-crop, by default
     round(crop / 0.875) and --image-size."""
-    crop = config.eval_crop
-    return config.val_resize or round(crop / VAL_CROP_RATIO), crop
+    crop = data.eval_crop
+    return data.val_resize or round(crop / VAL_CROP_RATIO), crop
 
 
-def build_val_transform(config: Config) -> v2.Compose:
+def build_val_transform(data: DataSettings) -> v2.Compose:
     """uint8 (3, H, W) -> uint8 (3, C, C), C = --val-crop: resize the short side, crop the
     centre."""
-    resize, crop = val_sizes(config)
-    interpolation = INTERPOLATION[config.interpolation]
+    resize, crop = val_sizes(data)
+    interpolation = INTERPOLATION[data.interpolation]
     return v2.Compose(
         [v2.Resize(resize, interpolation=interpolation, antialias=True), v2.CenterCrop(crop)]
     )

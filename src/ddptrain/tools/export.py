@@ -58,7 +58,7 @@ def describe(checkpoint: dict, path: Path) -> dict:
         raise UserError(f"export: {path} lacks {', '.join(missing)}: not a ddptrain training run")
     class_to_idx = checkpoint["class_to_idx"]
     sizes = {key: config.get(key) for key in ("val_crop", "val_resize")}
-    resize, crop = val_sizes(Config(image_size=int(config["image_size"]), **sizes))
+    resize, crop = val_sizes(Config(image_size=int(config["image_size"]), **sizes).data)
     return {
         "arch": checkpoint["arch"],
         "num_classes": int(checkpoint.get("num_classes", len(class_to_idx))),
