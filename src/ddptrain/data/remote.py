@@ -62,7 +62,10 @@ class Remote:
         """`size` bytes at `offset` of file `name`, whose size is `whole_size`."""
         cached = self._cached(name)
         if cached is None and name not in self._whole:
-            data = self._retried(name, lambda fs, path: fs.cat_file(path, offset, offset + size))
+            # By keyword: s3fs's cat_file takes a version_id before start and end.
+            data = self._retried(
+                name, lambda fs, path: fs.cat_file(path, start=offset, end=offset + size)
+            )
             if len(data) == size:
                 return data
             if len(data) != whole_size:
