@@ -120,7 +120,9 @@ def _check_numbers(max_side, quality, shard_size, workers) -> None:
 
 def _claim(out: Path, data: Path, overwrite: bool) -> Path:
     """OUT, made ready: a packed set there already is refused, or with --overwrite stops being
-    one at once (its index removed before any shard is replaced)."""
+    one at once (its index removed before any shard is replaced). So are shards with no index
+    (made elsewhere, or by a pack that ended before its index), which this pack would replace
+    or remove; an interrupted pack's partial shards are ours to replace."""
     if out.resolve() == data.resolve():
         raise UserError(f"OUT: {out} is DATA itself; pack into another folder")
     index = out / shard_index.INDEX
@@ -128,6 +130,13 @@ def _claim(out: Path, data: Path, overwrite: bool) -> Path:
         raise UserError(
             f"OUT: {out} holds a packed set already ({index}): pack into another folder, or "
             "pass --overwrite to replace it"
+        )
+    splits = [out / split for split in shard_index.SPLITS if (out / split).is_dir()]
+    shards = sorted(p for s in splits for p in s.iterdir() if SHARD.fullmatch(p.name))
+    if shards and not overwrite:  # not ours to replace: made elsewhere, perhaps
+        raise UserError(
+            f"OUT: {out} holds shards with no index ({shards[0]}, {len(shards)} in all): pack "
+            "into another folder, or pass --overwrite to replace them"
         )
     try:
         index.unlink(missing_ok=True)
