@@ -99,7 +99,10 @@ class TableSource:
         index = self._index(name)
         names, labels = index.names(name), index.labels.tolist()
         kept = [i for i, row in enumerate(names) if row not in leave_out]
-        listed = "".join(f"{names[i]}\t{labels[i]}\n" for i in kept)  # as folder.facts
+        # Of the `split/file:row\tlabel` lines in row order, in UTF-8 (pyarrow opens no other file
+        # names); not folder.digest (sorted, without the split), which would change the digest
+        # of every table checkpoint written so far and stop them resuming.
+        listed = "".join(f"{names[i]}\t{labels[i]}\n" for i in kept)
         facts = {"images": len(kept), "digest": hashlib.sha256(listed.encode()).hexdigest()}
         rows = _Rows(index, np.array(kept, dtype=np.int64), self, transform)
         return Split(rows, index.class_to_idx, str(index.folder), facts)
@@ -158,9 +161,13 @@ class TableSource:
             return where, _parquet_files(where)
         state = where / "state.json"  # save_to_disk's list of the split's Arrow files
         try:
-            return where, [where / f["filename"] for f in _json(state)["_data_files"]]
+            names = [f["filename"] for f in _json(state)["_data_files"]]
         except (KeyError, TypeError):
             raise UserError(f"DATA: {state} lists no _data_files (not save_to_disk's)") from None
+        for name in names:  # files of the split's folder: nothing outside it is read
+            if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+                raise UserError(f"DATA: {state} lists {name!r}, not a file name in {where}")
+        return where, [where / name for name in names]
 
     def _index(self, split: str) -> _Index:
         """Reads and checks the label column of every file of the split."""
