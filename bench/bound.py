@@ -20,7 +20,7 @@ from ddptrain.data.loaders import Data, build_data
 from ddptrain.data.sources import open_source
 from ddptrain.distributed.env import init_distributed
 from ddptrain.model.build import build_model
-from ddptrain.model.precision import resolve_precision
+from ddptrain.model.precision import run_precision
 from ddptrain.report.reporter import Reporter
 from ddptrain.state.checkpointer import TrainState
 from ddptrain.train.optim import build_optimizer
@@ -119,14 +119,7 @@ def main() -> None:
     model = build_model(
         config.model.arch, loaders.num_classes, config.data.image_size, pretrained=False
     )
-    precision = resolve_precision(
-        config.model,
-        None,
-        model,
-        env.device,
-        image_size=config.data.image_size,
-        seeded=config.optim.seed is not None,
-    )
+    precision = run_precision(config, model, env.device)
     model = precision.place(model, env.device)
     optimizer, scheduler = build_optimizer(model, config.optim)
     feed = Data(batches, Preloaded([steps] * args.epochs), [], 0, loaders.class_to_idx)

@@ -34,7 +34,7 @@ from ddptrain.data.loaders import Data
 from ddptrain.distributed.env import init_distributed, teardown_distributed
 from ddptrain.errors import first_line
 from ddptrain.model.build import build_model
-from ddptrain.model.precision import DTYPES, resolve_precision
+from ddptrain.model.precision import DTYPES, run_precision
 from ddptrain.parallel.parallelize import wrap
 from ddptrain.tools.plan import PlanRequest, plan
 from ddptrain.train.optim import build_optimizer
@@ -113,14 +113,7 @@ def rank_main(
         count = max(TRACKED_STEPS, steps)
         batches = random_batches(count, per_rank_batch, image_size, CLASSES, seed=env.rank)
         model = build_model(arch, CLASSES, image_size, pretrained=False)
-        precision = resolve_precision(
-            config.model,
-            None,
-            model,
-            env.device,
-            image_size=config.data.image_size,
-            seeded=config.optim.seed is not None,
-        )
+        precision = run_precision(config, model, env.device)
         blank = torch.zeros(2, 3, image_size, image_size, dtype=torch.uint8)
         example = precision.inputs(blank, env.device)  # as ddptrain lays out DDP's buckets
         place = lambda built: precision.place(built, env.device)  # noqa: E731

@@ -28,7 +28,7 @@ from ddptrain.config import Config, ParallelSettings
 from ddptrain.data.loaders import Data
 from ddptrain.distributed.env import init_distributed, teardown_distributed
 from ddptrain.model.build import build_model
-from ddptrain.model.precision import resolve_precision
+from ddptrain.model.precision import run_precision
 from ddptrain.parallel.comm_hooks import HOOKS
 from ddptrain.parallel.parallelize import wrap
 from ddptrain.train.optim import build_optimizer
@@ -86,14 +86,7 @@ def rank_main(
         count = max(steps, WARMUP_STEPS)
         batches = random_batches(count, per_rank, image_size, CLASSES, seed=env.rank)
         model = build_model("resnet18", CLASSES, image_size, pretrained=False)
-        precision = resolve_precision(
-            config.model,
-            None,
-            model,
-            env.device,
-            image_size=config.data.image_size,
-            seeded=config.optim.seed is not None,
-        )
+        precision = run_precision(config, model, env.device)
         model = precision.place(model, env.device)
         if hook is not None:
             comm = ParallelSettings(ddp_comm_hook=hook, powersgd_start_step=POWERSGD_START)

@@ -26,7 +26,7 @@ from bench.bound import random_batches
 from bench.classic import MEAN, STD, accuracy
 from ddptrain.config import Config
 from ddptrain.model.build import build_model
-from ddptrain.model.precision import resolve_precision
+from ddptrain.model.precision import run_precision
 from ddptrain.report.metrics import Sums
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.step import Step
@@ -63,14 +63,7 @@ def ddptrain_steps(batches, amp: str, lr: float, batch: int, image_size: int, cl
     )  # fmt: skip
     device = torch.device("cpu")
     model = build_model("resnet18", classes, image_size, pretrained=False)
-    precision = resolve_precision(
-        config.model,
-        None,
-        model,
-        device,
-        image_size=config.data.image_size,
-        seeded=config.optim.seed is not None,
-    )
+    precision = run_precision(config, model, device)
     model = precision.place(model, device)
     optimizer, scheduler = build_optimizer(model, config.optim)
     step_once = Step(model, optimizer, precision, scheduler=scheduler)

@@ -117,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_flag(check, name, fields[name])
         check.set_defaults(**{name: fields[name].default})
     _add_pack_flags(
-        commands.add_parser("pack", help="an ImageFolder as tar shards (WebDataset) + an index")
+        commands.add_parser(
+            "pack", help="an ImageFolder or a table set as tar shards (WebDataset) + an index"
+        )
     )
     _add_plot_flags(commands.add_parser("plot", help="draw runs' loss, accuracy, lr, samples/s"))
     _add_export_flags(
@@ -139,7 +141,8 @@ def _add_pack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "data",
         metavar="DATA",
-        help="ImageFolder root with train/ and val/ (with --index-only: the folder of shards)",
+        help="ImageFolder root with train/ and val/, or a table set (with --index-only: the "
+        "folder of shards)",
     )
     p.add_argument("out", nargs="?", metavar="OUT", help="the packed set's folder")
     p.add_argument(
@@ -174,6 +177,10 @@ def _add_pack_flags(p: argparse.ArgumentParser) -> None:
         "DATA/val/*.tar of <key>.<image ext> + <key>.cls members; class names from "
         "DATA/classes.txt, else the indices",
     )
+    fields = settings()
+    for name in ("image_column", "label_column"):  # a table set's, as train takes them
+        _add_flag(p, name, fields[name])
+        p.set_defaults(**{name: fields[name].default})
 
 
 def _add_plot_flags(p: argparse.ArgumentParser) -> None:

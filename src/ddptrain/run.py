@@ -23,7 +23,7 @@ from ddptrain.distributed.threads import too_many_workers, usable_cores
 from ddptrain.errors import Stopped, first_line, peer_lost, report
 from ddptrain.faults import Faults
 from ddptrain.model.build import build_model, load_pretrained
-from ddptrain.model.precision import DTYPES, Precision, resolve_precision
+from ddptrain.model.precision import DTYPES, Precision, run_precision
 from ddptrain.parallel import fsdp
 from ddptrain.parallel.parallelize import (
     builds_on_meta,
@@ -128,7 +128,7 @@ def _build(
         lambda: build_data(config, env, resolved.source, resolved.seed, resolved.leave_out),
     )
     model = agree(env, lambda: _model(resolved, loaders, env))
-    precision = agree(env, lambda: _precision(config, model, env))
+    precision = agree(env, lambda: run_precision(config, model, env.device))
     reporter = agree(env, lambda: _reporter(resolved, env))
     for line in [*resolved.warnings, precision.warning, *loaders.warnings]:
         if line:
@@ -257,13 +257,6 @@ def _model(resolved: Resolved, loaders: Data, env: DistEnv) -> torch.nn.Module:
             check_trainable(saved, resume)
             check_continuable(saved, config, resume)
     return model
-
-
-def _precision(config: Config, model: torch.nn.Module, env: DistEnv) -> Precision:
-    seeded = config.optim.seed is not None
-    return resolve_precision(
-        config.model, None, model, env.device, image_size=config.data.image_size, seeded=seeded
-    )
 
 
 def _reporter(resolved: Resolved, env: DistEnv) -> Reporter:

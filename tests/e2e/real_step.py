@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddptrain.config import Config
 from ddptrain.distributed.env import DistEnv
 from ddptrain.model.build import build_model
-from ddptrain.model.precision import resolve_precision
+from ddptrain.model.precision import run_precision
 from ddptrain.parallel.parallelize import lay_out_buckets
 from ddptrain.train.ema import build_ema
 from ddptrain.train.optim import build_optimizer
@@ -53,14 +53,7 @@ def measure(
         opt=opt, model_ema=model_ema, model_ema_steps=1, accum_steps=accum_steps,
     )  # fmt: skip
     model = build_model(arch, num_classes, image_size, pretrained=False)
-    precision = resolve_precision(
-        config.model,
-        None,
-        model,
-        device,
-        image_size=config.data.image_size,
-        seeded=config.optim.seed is not None,
-    )
+    precision = run_precision(config, model, device)
     model = DistributedDataParallel(precision.place(model, device), gradient_as_bucket_view=True)
     blank = torch.zeros(2, 3, image_size, image_size, dtype=torch.uint8)
     lay_out_buckets(model, precision.inputs(blank, device), None)

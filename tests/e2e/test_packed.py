@@ -137,3 +137,25 @@ def test_resuming_on_a_set_packed_again_names_the_changed_shard(packed_run, tiny
     pack(str(tiny_data), str(again), shard_size=0.03, workers=0, overwrite=True)
     result = ddptrain("train", *tiny_args(again, out), "--epochs", 2, "--resume", "auto")
     assert_user_error(result, "shard val/000000.tar changed since", "(it had 20480 bytes and has")
+
+
+def test_a_packed_table_set_trains_to_the_weights_of_the_table_and_its_folder(
+    tiny_parquet, tiny_packed, one_rank_run, tmp_path
+):
+    packed = tmp_path / "set"
+    result = ok(ddptrain("pack", tiny_parquet, packed, "--shard-size", 0.02, "-j", 2))
+    assert (
+        result.stdout == f"packed 24 train, 15 val images of 3 classes into 6 shards in {packed}\n"
+    )
+    # The rows hold the folder's files in its order: the shards are the folder's, byte for byte
+    # (members named by the images' format, .png), the rows named as a table names them.
+    for shard in sorted(tiny_packed.rglob("*.tar")):
+        assert (packed / shard.relative_to(tiny_packed)).read_bytes() == shard.read_bytes()
+    names = source_at(packed).index.splits["train"].names
+    assert (names[0], names[9], names[10]) == (
+        "part-0.parquet:0",
+        "part-0.parquet:9",
+        "part-1.parquet:0",
+    )
+    ok(ddptrain("train", *tiny_args(packed, tmp_path / "run")))
+    assert_same_training(one_rank_run, tmp_path / "run")  # the table's weights are the folder's

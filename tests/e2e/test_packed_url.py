@@ -51,5 +51,6 @@ def test_a_url_that_answers_404_is_named_in_one_line(tiny_packed, http_server, t
 
 
 def test_check_reads_a_packed_set_at_a_url(tiny_packed, http_server):
-    result = ok(ddptrain("check", http_server(tiny_packed), "-j", 1))
-    assert "all 39 images" in result.stdout
+    url = http_server(tiny_packed)
+    result = ok(ddptrain("check", url, "-j", 1))
+    assert f"all 39 images in {url} decode" in result.stdout

@@ -91,6 +91,31 @@ def test_a_packed_set_is_not_packed_over_without_overwrite(tiny_data, tiny_packe
     assert len(source_at(out).split("train").dataset) == 24
 
 
+def test_shards_made_elsewhere_are_not_packed_over_without_overwrite(tiny_data, tmp_path):
+    out = tmp_path / "out"
+    (out / "train").mkdir(parents=True)
+    for name in ("000000.tar", "000001.tar", "000002.tar", "000003.tar", "000004.tar"):
+        (out / "train" / name).write_bytes(tar_of({"x.png": b"theirs", "x.cls": b"0"}))
+    before = files_below(out)
+    with pytest.raises(UserError) as raised:
+        pack.pack(str(tiny_data), str(out), shard_size=0.02, workers=0)
+    assert str(raised.value) == (
+        f"OUT: {out} holds shards with no index ({out}/train/000000.tar, 5 in all): pack into "
+        "another folder, or pass --overwrite to replace them"
+    )
+    assert files_below(out) == before
+    pack.pack(str(tiny_data), str(out), shard_size=0.02, workers=0, overwrite=True)
+    assert not (out / "train" / "000004.tar").exists()  # theirs, replaced as asked
+
+
+def test_an_interrupted_packs_partial_shards_are_replaced(tiny_data, tiny_packed, tmp_path):
+    out = tmp_path / "out"
+    (out / "train").mkdir(parents=True)
+    (out / "train" / ".000000.tar.123.partial").write_bytes(b"cut short")
+    pack.pack(str(tiny_data), str(out), shard_size=0.02, workers=0)
+    assert files_below(out) == files_below(tiny_packed)
+
+
 def test_a_pack_that_fails_leaves_no_index_and_no_partial_shard(tiny_data, tmp_path, monkeypatch):
     read = pack._Encoded.__getitem__
 
@@ -211,6 +236,31 @@ def test_index_only_names_the_shard_and_member_of_a_bad_sample(tmp_path, members
     with pytest.raises(UserError, match=message):
         index_shards(str(tmp_path))
     assert not (tmp_path / "index.json").exists()
+
+
+def test_index_only_bounds_the_classes_it_makes_without_classes_txt(tmp_path):
+    (tmp_path / "train").mkdir()
+    big = {"a.png": b"x", "a.cls": b"0", "b.png": b"x", "b.cls": b"999999999999999999"}
+    (tmp_path / "train" / "0.tar").write_bytes(tar_of(big))
+    with pytest.raises(UserError) as raised:
+        index_shards(str(tmp_path))
+    assert str(raised.value) == (
+        "train/0.tar: the .cls of b.png says class 999999999999999999, and without classes.txt "
+        "a label must be below 1,000,000 (the number of samples or 1,000,000, the larger): list "
+        f"the class names in {tmp_path / 'classes.txt'}"
+    )
+    assert not (tmp_path / "index.json").exists()
+    # Sparse labels of a small set are taken: a val subset of a large label space.
+    (tmp_path / "train" / "0.tar").write_bytes(tar_of({**big, "b.cls": b"9"}))
+    assert index_shards(str(tmp_path)).startswith("indexed 2 train images of 10 classes")
+
+
+def test_index_only_refuses_a_shard_name_unsafe_in_a_url(tiny_packed, tmp_path):
+    shards = shutil.copytree(tiny_packed, tmp_path / "shards")
+    (shards / "index.json").unlink()
+    (shards / "val" / "000001.tar").rename(shards / "val" / "0#1.tar")
+    with pytest.raises(UserError, match=r"val/0#1.tar: a shard's name takes A-Z, a-z, 0-9"):
+        index_shards(str(shards))
 
 
 def test_index_only_refuses_a_compressed_tar(tmp_path):

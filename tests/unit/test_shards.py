@@ -174,6 +174,10 @@ def first_sample(index, split="train"):
         (lambda i: first_sample(i).pop(), r"is not \[name, offset, size, label\]"),
         (lambda i: i["splits"]["train"][0].update(shard="../x.tar"), "is not a new relative"),
         (lambda i: i["splits"]["train"][0].update(shard="/etc/x.tar"), "is not a new relative"),
+        *(
+            (lambda i, bad=bad: i["splits"]["train"][0].update(shard=bad), "A-Z, a-z, 0-9, '.'")
+            for bad in ("train/0#1.tar", "train/0.tar?x=1", "train/%2e%2e.tar", "train//0.tar")
+        ),
         (lambda i: i["splits"]["train"][1].update(shard="train/000000.tar"), "not a new"),
         (lambda i: i["splits"]["train"][0].update(bytes=-5), "bytes -5 is not a size"),
         (lambda i: i["splits"]["val"][1].update(samples={}), "samples must be a list"),

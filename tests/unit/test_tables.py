@@ -1,6 +1,8 @@
 """Table data sets (data/tables.py): a Parquet set and a saved DatasetDict read as the folder they
 were made of, sample for sample; each kind of bad row named by its file and row."""
 
+import hashlib
+import json
 import shutil
 import sys
 
@@ -84,6 +86,32 @@ def test_facts_change_with_the_labels(tiny_data, tiny_parquet, tmp_path):
     changed.to_parquet(data / "train" / "part-0.parquet")
     after = source(data).split("train").facts
     assert after["images"] == before["images"] and after["digest"] != before["digest"]
+
+
+def test_the_digest_is_of_the_rows_in_order_as_checkpoints_hold_it(tiny_parquet):
+    """Table checkpoints hold this digest: another definition (folder.digest's sorted pairs)
+    would stop every one of them resuming on the same data."""
+    split = source(tiny_parquet).split("val")
+    names = [f"val/part-0.parquet:{row}" for row in range(15)]
+    listed = "".join(
+        f"{n}\t{label}\n" for n, label in zip(names, split.dataset.targets, strict=True)
+    )
+    assert split.facts["digest"] == hashlib.sha256(listed.encode()).hexdigest()
+
+
+@pytest.mark.parametrize("filename", ["../x.arrow", "/etc/passwd", "a/b.arrow", "..", "", 5])
+def test_a_state_json_file_outside_its_split_is_refused(tiny_dataset_dict, tmp_path, filename):
+    data = shutil.copytree(tiny_dataset_dict, tmp_path / "data")
+    state = data / "train" / "state.json"
+    listed = json.loads(state.read_text())
+    shutil.copy(state.parent / listed["_data_files"][0]["filename"], data / "x.arrow")  # readable
+    listed["_data_files"][0]["filename"] = filename
+    state.write_text(json.dumps(listed))
+    with pytest.raises(UserError) as raised:
+        source(data).split("train")
+    assert (
+        str(raised.value) == f"DATA: {state} lists {filename!r}, not a file name in {state.parent}"
+    )
 
 
 def test_labels_without_a_class_label(tiny_data, tmp_path):

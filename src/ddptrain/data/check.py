@@ -99,7 +99,6 @@ def check_command(
 ) -> None:
     """`ddptrain check DATA`: says every bad image on stdout, then raises a UserError (exit 2)
     when there is one; else says that all decode."""
-    root = Path(data)
     if workers is not None and workers < 0:
         raise UserError(f"-j/--workers must be at least 0, got {workers}")
     if max_image_pixels < 1:
@@ -107,7 +106,7 @@ def check_command(
     if is_url(data):
         source = packed_at_url(Remote(data), max_image_pixels)
     else:
-        source = source_at(root, max_image_pixels, image_column, label_column)
+        source = source_at(Path(data), max_image_pixels, image_column, label_column)
     splits = [split for split in SPLITS if source.has(split)]
     files = source.names(splits, say)
     workers = usable_cores() if workers is None else workers
@@ -116,17 +115,17 @@ def check_command(
         say(f"{source.shown(path)}: {reason}")
     if bad:
         raise UserError(
-            f"{len(bad)} of {len(files)} images in {root} are bad ({_per_split(bad, files)}), "
+            f"{len(bad)} of {len(files)} images in {data} are bad ({_per_split(bad, files)}), "
             "listed above: fix or remove them, or train with --bad-images skip"
         )
     missing = [f"{split}/" for split in SPLITS if split not in splits]
     if missing:  # as training would refuse it, once its images are known to decode
         raise UserError(
-            f"DATA: {root} has no {' or '.join(missing)}, which training needs; its "
+            f"DATA: {data} has no {' or '.join(missing)}, which training needs; its "
             f"{len(files)} images decode ({_per_split(None, files)})"
         )
     check_same_classes(source.split("train"), source.split("val"))  # as training would refuse them
-    say(f"all {len(files)} images in {root} decode ({_per_split(None, files)})")
+    say(f"all {len(files)} images in {data} decode ({_per_split(None, files)})")
 
 
 def images_to_leave_out(

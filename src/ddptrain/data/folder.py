@@ -83,14 +83,17 @@ def decode_problem(encoded: bytes, max_pixels: int | None = MAX_IMAGE_PIXELS) ->
 
 
 def _read_rgb(path: str, max_pixels: int | None) -> torch.Tensor:
+    return _decode(_read(path), max_pixels)
+
+
+def _read(path: str) -> bytes:
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO's read would wait forever
             raise _Unreadable("not a regular file")
         with open(path, "rb") as f:
-            encoded = f.read()
+            return f.read()
     except OSError as err:
         raise _Unreadable(err.strerror) from None
-    return _decode(encoded, max_pixels)
 
 
 def _decode(encoded: bytes, max_pixels: int | None) -> torch.Tensor:
@@ -146,6 +149,20 @@ class ImageFolder(datasets.ImageFolder):
     folder, which no class takes (their names, sorted)."""
 
     loose: list[str]
+
+    def names(self) -> list[str]:
+        """Each sample's name in its split (class/file), in order: what `ddptrain pack` records."""
+        return relative_paths(self)
+
+    def encoded(self, i: int) -> tuple[bytes, str]:
+        """Sample i's file as it is, and its extension in lower case: what `ddptrain pack`
+        stores (data/tables.py's rows give the same)."""
+        path = self.samples[i][0]
+        try:
+            encoded = _read(path)
+        except _Unreadable as err:
+            raise UserError(f"cannot read {path}: {err}") from None
+        return encoded, os.path.splitext(path)[1][1:].lower()
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         entries = [e for e in os.scandir(directory) if not e.name.startswith(".")]

@@ -1,13 +1,15 @@
-"""`ddptrain pack DATA OUT`: an image folder as a packed set, tar shards in the WebDataset
-layout plus the index that locates each image in them (data/shard_index.py).
+"""`ddptrain pack DATA OUT`: an image folder or a table set as a packed set, tar shards in the
+WebDataset layout plus the index that locates each image in them (data/shard_index.py).
 
 Per split, OUT/<split>/000000.tar, ... hold each sample as `<key>.<image ext>` and `<key>.cls`
 (the class index in ASCII), the key its zero-padded number in the split, so that WebDataset's
-rule (a member's key is its name up to the first dot) pairs them. Samples go in the folder's
-order (FolderSource's), filling each shard up to --shard-size. The output is a function of the
-input alone: fixed tar header fields, and -j only spreads the reading and shrinking over
-processes, whose results are written in order. Without --max-side every image is stored byte
-for byte, so training on the set is training on the folder, bitwise.
+rule (a member's key is its name up to the first dot) pairs them. Samples go in training's
+order, filling each shard up to --shard-size. Both kinds of DATA give them alike: a split's
+dataset (folder.ImageFolder, tables' rows) has names(), targets and encoded(i), the sample's
+bytes as stored and their extension (a file's own; a table cell's, told by its format). The
+output is a function of the input alone: fixed tar header fields, and -j only spreads the
+reading and shrinking over processes, whose results are written in order. Without --max-side
+every image is stored byte for byte, so training on the set is training on DATA, bitwise.
 
 Nothing looks complete before it is: each shard is written under a temporary name and renamed
 when done, and the index, which makes the folder a packed set, comes last (atomic_write).
@@ -17,16 +19,16 @@ import contextlib
 import io
 import os
 import re
-import stat
 import tarfile
 from pathlib import Path
 
 from torch.utils.data import Dataset
 
 from ddptrain.config import PACK_QUALITY, PACK_SHARD_MB
-from ddptrain.data import folder, shard_index
+from ddptrain.data import shard_index
 from ddptrain.data.shrink import shrink
 from ddptrain.data.sources import SPLITS, FolderSource, check_same_classes, source_at
+from ddptrain.data.tables import TableSource
 from ddptrain.data.workers import Loader
 from ddptrain.distributed.threads import usable_cores
 from ddptrain.errors import UserError, write_failed
@@ -46,15 +48,20 @@ def pack(
     shard_size: float = PACK_SHARD_MB,
     workers: int | None = None,
     overwrite: bool = False,
+    image_column: str = "image",
+    label_column: str = "label",
     say=lambda line, stderr=False: None,
     counting=lambda total, what, unit: contextlib.nullcontext(lambda n: None),
 ) -> str:
-    """Packs the image folder DATA into OUT; returns the line that says what was written.
-    `say` and `counting` are the caller's terminal (report.progress)."""
+    """Packs DATA, an image folder or a table set, into OUT; returns the line that says what
+    was written. `say` and `counting` are the caller's terminal (report.progress)."""
     _check_numbers(max_side, quality, shard_size, workers)
-    source = source_at(Path(data))
-    if not isinstance(source, FolderSource):
-        raise UserError(f"DATA: {data} is not an image folder (pack takes one)")
+    source = source_at(Path(data), image_column=image_column, label_column=label_column)
+    if not isinstance(source, FolderSource | TableSource):
+        raise UserError(
+            f"DATA: {data} is not an image folder or a table set but a packed set already (pack "
+            "takes one of those)"
+        )
     splits = {name: source.split(name) for name in SPLITS if source.has(name)}
     if not splits:
         raise UserError(f"DATA: {data} holds neither train/ nor val/")
@@ -67,7 +74,7 @@ def pack(
     workers = usable_cores() if workers is None else workers
     entries, unshrunk = {}, []
     for name, split in splits.items():
-        reading = _Encoded([path for path, _ in split.dataset.samples], max_side, quality)
+        reading = _Encoded(split.dataset, max_side, quality)
         loader = Loader(reading, batch_size=CHUNK, num_workers=workers, collate_fn=list)
         writer = _ShardWriter(destination / name, name, int(shard_size * MB), len(reading))
         entries[name] = _write_split(split.dataset, loader, writer, counting, unshrunk)
@@ -87,9 +94,9 @@ def pack(
 
 
 def _write_split(images, loader, writer, counting, unshrunk: list) -> list[dict]:
-    """The split's samples (a folder.ImageFolder's) into its shards; returns their index
-    entries, and adds to `unshrunk` the images --max-side could not shrink."""
-    names, labels = folder.relative_paths(images), images.targets
+    """The split's samples (a folder.ImageFolder's or a table's rows) into its shards; returns
+    their index entries, and adds to `unshrunk` the images --max-side could not shrink."""
+    names, labels = images.names(), images.targets
     samples = (sample for batch in loader for sample in batch)  # in order, whatever -j
     with writer, counting(len(names), f"packing {writer.split}", "img") as advance:
         for i, (image, ext, problem) in enumerate(samples):
@@ -113,7 +120,9 @@ def _check_numbers(max_side, quality, shard_size, workers) -> None:
 
 def _claim(out: Path, data: Path, overwrite: bool) -> Path:
     """OUT, made ready: a packed set there already is refused, or with --overwrite stops being
-    one at once (its index removed before any shard is replaced)."""
+    one at once (its index removed before any shard is replaced). So are shards with no index
+    (made elsewhere, or by a pack that ended before its index), which this pack would replace
+    or remove; an interrupted pack's partial shards are ours to replace."""
     if out.resolve() == data.resolve():
         raise UserError(f"OUT: {out} is DATA itself; pack into another folder")
     index = out / shard_index.INDEX
@@ -121,6 +130,13 @@ def _claim(out: Path, data: Path, overwrite: bool) -> Path:
         raise UserError(
             f"OUT: {out} holds a packed set already ({index}): pack into another folder, or "
             "pass --overwrite to replace it"
+        )
+    splits = [out / split for split in shard_index.SPLITS if (out / split).is_dir()]
+    shards = sorted(p for s in splits for p in s.iterdir() if SHARD.fullmatch(p.name))
+    if shards and not overwrite:  # not ours to replace: made elsewhere, perhaps
+        raise UserError(
+            f"OUT: {out} holds shards with no index ({shards[0]}, {len(shards)} in all): pack "
+            "into another folder, or pass --overwrite to replace them"
         )
     try:
         index.unlink(missing_ok=True)
@@ -148,25 +164,18 @@ def _remove_stale(out: Path, entries: dict[str, list[dict]]) -> None:
 
 
 class _Encoded(Dataset):
-    """Each image file's bytes and extension (shrunk with --max-side), read in the loader's
-    workers; (bytes, ext, why it could not be shrunk or None)."""
+    """Each sample's bytes and extension as the split's dataset gives them (encoded(i)),
+    shrunk with --max-side, read in the loader's workers; (bytes, ext, why it could not be
+    shrunk or None)."""
 
-    def __init__(self, paths: list[str], max_side: int | None, quality: int):
-        self.paths, self.max_side, self.quality = paths, max_side, quality
+    def __init__(self, images: Dataset, max_side: int | None, quality: int):
+        self.images, self.max_side, self.quality = images, max_side, quality
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.images)
 
     def __getitem__(self, i: int) -> tuple[bytes, str, str | None]:
-        path = self.paths[i]
-        try:
-            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO's read would wait forever
-                raise UserError(f"cannot read {path}: not a regular file")
-            with open(path, "rb") as f:
-                encoded = f.read()
-        except OSError as err:
-            raise UserError(f"cannot read {path}: {err.strerror}") from None
-        ext = os.path.splitext(path)[1][1:].lower()
+        encoded, ext = self.images.encoded(i)
         if self.max_side is None:
             return encoded, ext, None
         return shrink(encoded, ext, self.max_side, self.quality)

@@ -15,6 +15,7 @@ ends the run in one line instead of reading outside a shard in a loader worker.
 """
 
 import json
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ from ddptrain.errors import UserError
 
 FORMAT, VERSION = "ddptrain-packed", 1
 INDEX = "index.json"
+SAFE_PART = re.compile(r"[A-Za-z0-9._-]+")  # of a shard's path: the same on a disk and in a URL
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,7 +96,11 @@ def _split(where: str, split: str, entries, num_classes: int) -> SplitIndex:
             raise _bad(where, f'{split} shard {position}: expected "shard", "bytes", "samples"')
         shard, size = entry["shard"], entry["bytes"]
         if not _relative(shard) or shard in shards:
-            raise _bad(where, f"{split} shard {position}: {shard!r} is not a new relative path")
+            raise _bad(
+                where,
+                f"{split} shard {position}: {shard!r} is not a new relative path of parts of "
+                "A-Z, a-z, 0-9, '.', '_', '-'",
+            )
         if type(size) is not int or not 0 <= size < 2**63:
             raise _bad(where, f"{shard}: bytes {size!r} is not a size")
         found, numbers = _samples(where, shard, entry["samples"], size, num_classes)
@@ -140,10 +146,11 @@ def _samples(where: str, shard: str, samples, shard_size: int, num_classes: int)
 
 
 def _relative(path) -> bool:
-    """A path below the index's folder, the same for a disk and a URL: no way out of it."""
-    if not isinstance(path, str) or not path or path.startswith("/") or "\\" in path:
+    """A path below the index's folder, the same for a disk and a URL: no way out of it, and
+    parts of URL-safe characters only (`#`, `?`, `%` would make the URL another resource)."""
+    if not isinstance(path, str):
         return False
-    return ":" not in path and all(part not in ("", ".", "..") for part in path.split("/"))
+    return all(SAFE_PART.fullmatch(part) and part not in (".", "..") for part in path.split("/"))
 
 
 def _list_of_names(value) -> bool:

@@ -71,8 +71,10 @@ class _Index:
     labels: np.ndarray
     class_to_idx: dict[str, int]
 
-    def names(self, split: str) -> list[str]:
-        files = [f"{split}/{f.relative_to(self.folder)}" for f in self.files]
+    def names(self, split: str | None) -> list[str]:
+        """Each row as `split/file:row`; as `file:row` without a split."""
+        prefix = f"{split}/" if split else ""
+        files = [f"{prefix}{f.relative_to(self.folder)}" for f in self.files]
         return [
             f"{files[f]}:{row}"
             for f, row in zip(self.file_of.tolist(), self.row_of.tolist(), strict=True)
@@ -97,7 +99,10 @@ class TableSource:
         index = self._index(name)
         names, labels = index.names(name), index.labels.tolist()
         kept = [i for i, row in enumerate(names) if row not in leave_out]
-        listed = "".join(f"{names[i]}\t{labels[i]}\n" for i in kept)  # as folder.facts
+        # Of the `split/file:row\tlabel` lines in row order, in UTF-8 (pyarrow opens no other file
+        # names); not folder.digest (sorted, without the split), which would change the digest
+        # of every table checkpoint written so far and stop them resuming.
+        listed = "".join(f"{names[i]}\t{labels[i]}\n" for i in kept)
         facts = {"images": len(kept), "digest": hashlib.sha256(listed.encode()).hexdigest()}
         rows = _Rows(index, np.array(kept, dtype=np.int64), self, transform)
         return Split(rows, index.class_to_idx, str(index.folder), facts)
@@ -156,9 +161,13 @@ class TableSource:
             return where, _parquet_files(where)
         state = where / "state.json"  # save_to_disk's list of the split's Arrow files
         try:
-            return where, [where / f["filename"] for f in _json(state)["_data_files"]]
+            names = [f["filename"] for f in _json(state)["_data_files"]]
         except (KeyError, TypeError):
             raise UserError(f"DATA: {state} lists no _data_files (not save_to_disk's)") from None
+        for name in names:  # files of the split's folder: nothing outside it is read
+            if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+                raise UserError(f"DATA: {state} lists {name!r}, not a file name in {where}")
+        return where, [where / name for name in names]
 
     def _index(self, split: str) -> _Index:
         """Reads and checks the label column of every file of the split."""
@@ -271,19 +280,63 @@ class _Rows(Dataset):
         return len(self.kept)
 
     def __getitem__(self, position: int):
+        encoded, shown = self._read(position)
+        image = folder.decode_rgb(encoded, shown, self.max_pixels)
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, int(self.index.labels[self.kept[position]])
+
+    # What `ddptrain pack` reads, as of a folder.ImageFolder: names(), targets, encoded(i).
+
+    def names(self) -> list[str]:
+        """Each row's name in its split (`file:row`), in order."""
+        names = self.index.names(None)
+        return [names[i] for i in self.kept.tolist()]
+
+    @property
+    def targets(self) -> list[int]:
+        return self.index.labels[self.kept].tolist()
+
+    def encoded(self, position: int) -> tuple[bytes, str]:
+        """The row's image as the table holds it, and the extension of its format."""
+        encoded, _ = self._read(position)
+        return encoded, _extension(encoded)
+
+    def _read(self, position: int) -> tuple[bytes, str]:
+        """The row's encoded image, and the row as messages name it (`file:row`)."""
         index, i = self.index, self.kept[position]
         path, row = index.files[index.file_of[i]], int(index.row_of[i])
         try:
-            encoded = self.open.image(path, self.column, row)
+            return self.open.image(path, self.column, row), f"{path}:{row}"
         except _NoImage as err:
             raise UserError(
                 f"cannot read image {path}:{row}: {err} (`ddptrain check DATA` lists every bad "
                 "image; --bad-images skip trains without them)"
             ) from None
-        image = folder.decode_rgb(encoded, f"{path}:{row}", self.max_pixels)
-        if self.transform is not None:
-            image = self.transform(image)
-        return image, int(index.labels[i])
+
+
+# The formats folder.EXTENSIONS names, by their first bytes (WebP's at offset 8, after RIFF's).
+_MAGIC = {
+    b"\xff\xd8\xff": "jpg",
+    b"\x89PNG\r\n\x1a\n": "png",
+    b"GIF87a": "gif",
+    b"GIF89a": "gif",
+    b"BM": "bmp",
+    b"II*\x00": "tif",
+    b"MM\x00*": "tif",
+    b"P2": "pgm",
+    b"P5": "pgm",
+    b"P3": "ppm",
+    b"P6": "ppm",
+}
+
+
+def _extension(encoded: bytes) -> str:
+    """The extension of an encoded image's format, told by its first bytes (a table's cell has
+    no file name): `bin` for bytes of none of folder.EXTENSIONS' formats."""
+    if encoded[:4] == b"RIFF" and encoded[8:12] == b"WEBP":
+        return "webp"
+    return next((ext for magic, ext in _MAGIC.items() if encoded.startswith(magic)), "bin")
 
 
 class _Open:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ddptrain.config import ModelSettings
+from ddptrain.config import Config, ModelSettings
 from ddptrain.data.transforms import MEAN, STD
 from ddptrain.errors import UserError
 
@@ -216,3 +216,11 @@ def resolve_precision(
         warning = f"--amp bf16: {_WRONG_IN_BF16.format(wrong)}; --amp none avoids it"
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
     return Precision(device.type, amp, bool(channels_last), bool(compiled), scaler, reason, warning)
+
+
+def run_precision(config: Config, model: nn.Module, device: torch.device) -> Precision:
+    """resolve_precision for a run's Config (no checkpoint's settings left to merge)."""
+    seeded = config.optim.seed is not None
+    return resolve_precision(
+        config.model, None, model, device, image_size=config.data.image_size, seeded=seeded
+    )
