@@ -40,6 +40,7 @@ def test_export_loads_in_plain_torchvision_with_the_checkpoints_logits(trained, 
 
 def test_the_sidecar_says_how_to_feed_the_model(exported):
     assert json.loads(exported.with_suffix(".json").read_text()) == {
+        "library": "torchvision",
         "arch": "resnet18",
         "num_classes": 3,
         "classes": ["arrow", "bar", "circle"],

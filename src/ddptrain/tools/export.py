@@ -1,9 +1,10 @@
 """`ddptrain export CKPT --out W.safetensors`: a checkpoint's weights for use outside ddptrain.
 
-W.safetensors holds the model's state dict (it loads strictly into
-`torchvision.models.get_model(arch, num_classes=num_classes)`); safetensors files hold tensors
-only, so loading one never runs code. W.json, beside it, says how to feed the model: arch,
-num_classes, classes (names in index order), image_size, val_resize, interpolation, mean, std.
+W.safetensors holds the model's state dict (it loads strictly into the library's model: for
+torchvision, `torchvision.models.get_model(arch, num_classes=num_classes)`); safetensors files hold
+tensors only, so loading one never runs code. W.json, beside it, says which model it is (library,
+arch, num_classes) and how to feed it: classes (names in index order), image_size, val_resize,
+interpolation, mean, std.
 """
 
 import json
@@ -14,6 +15,7 @@ from safetensors.torch import save
 from ddptrain.config import Config
 from ddptrain.data.transforms import MEAN, STD, val_sizes
 from ddptrain.errors import UserError
+from ddptrain.model.providers import provider
 from ddptrain.state import files, sharded
 
 SUFFIX = ".safetensors"
@@ -60,6 +62,7 @@ def describe(checkpoint: dict, path: Path) -> dict:
     sizes = {key: config.get(key) for key in ("val_crop", "val_resize")}
     resize, crop = val_sizes(Config(image_size=int(config["image_size"]), **sizes).data)
     return {
+        "library": provider(checkpoint["arch"]).library,
         "arch": checkpoint["arch"],
         "num_classes": int(checkpoint.get("num_classes", len(class_to_idx))),
         "classes": sorted(class_to_idx, key=class_to_idx.get),
