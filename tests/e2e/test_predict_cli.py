@@ -165,3 +165,19 @@ def test_onnx_export_without_the_runtime_says_what_to_install(trained, tmp_path)
         "pip install 'ddptrain[onnx]'\n"
     )
     assert not out.exists()
+
+
+def test_a_table_set_is_predicted_as_its_folder(one_rank, trained, tiny_parquet, tmp_path):
+    out = tmp_path / "p.jsonl"
+    ok(ddptrain("predict", trained / "checkpoint.pt", tiny_parquet, "--out", out, "-j", 0))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    # its splits in order, each in the order training reads it: train's two files, then val's
+    assert [row["path"] for row in rows] == [
+        *(f"{tiny_parquet}/train/part-0.parquet:{i}" for i in range(10)),
+        *(f"{tiny_parquet}/train/part-1.parquet:{i}" for i in range(14)),
+        *(f"{tiny_parquet}/val/part-0.parquet:{i}" for i in range(15)),
+    ]
+    # the folder's val images, as bytes in a table: the same classes and probabilities
+    for table, files in zip(rows[24:], one_rank[:15], strict=True):
+        assert [table[f"top{k}"] for k in (1, 2, 3)] == [files[f"top{k}"] for k in (1, 2, 3)]
+        assert table["prob1"] == pytest.approx(float(files["prob1"]), abs=1e-6)

@@ -20,7 +20,7 @@ def test_folders_are_walked_in_sorted_order_and_files_taken_as_given(tmp_path):
         (tmp_path / name).write_bytes(b"")
     (tmp_path / "notes.txt").write_text("")
     (tmp_path / "b" / "loop").symlink_to(tmp_path / "b")  # listed once
-    listed = list_inputs([str(tmp_path), str(tmp_path / "notes.txt")])
+    listed = list_inputs([str(tmp_path), str(tmp_path / "notes.txt")]).paths
     below = [p[len(str(tmp_path)) + 1 :] for p in listed]
     assert below == ["a/z.png", "a.png", "b/10.jpg", "b/2.png", "notes.txt"]
 
