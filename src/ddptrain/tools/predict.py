@@ -24,6 +24,7 @@ from ddptrain.data.sampler import shard
 from ddptrain.data.shard_index import INDEX
 from ddptrain.data.sources import source_at
 from ddptrain.data.split import SPLITS
+from ddptrain.data.tables import is_table_set
 from ddptrain.data.workers import Loader
 from ddptrain.distributed.collectives import agree, check_same, gather_objects
 from ddptrain.distributed.env import DistEnv, init_distributed, teardown_distributed
@@ -137,11 +138,9 @@ def list_inputs(inputs: list[str], max_pixels: int = MAX_IMAGE_PIXELS) -> Inputs
 def _data_set(given: str, max_pixels: int):
     """The data source of a packed set (its folder or index file) or a table set; None for
     anything else, image folders included (walked as folders, which names their images alike)."""
-    from ddptrain.data import tables  # pyarrow's, only where a table set is given
-
     root = Path(given)
     packed = (root / INDEX).is_file() or (root.suffix == ".json" and root.is_file())
-    if packed or (root.is_dir() and tables.is_table_set(root)):
+    if packed or (root.is_dir() and is_table_set(root)):
         return source_at(root, max_pixels)
     return None
 
