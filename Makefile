@@ -16,7 +16,7 @@ DEMO_FLAGS ?= --config recipe:small-images --epochs 12 -b 128 --seed 0 \
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,onnx]'
 	touch $(STAMP)
 
 # 2-process DDP on the built-in dataset: gloo on CPU, NCCL on CUDA (chosen by ddptrain).

@@ -123,7 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_plot_flags(commands.add_parser("plot", help="draw runs' loss, accuracy, lr, samples/s"))
     _add_export_flags(
-        commands.add_parser("export", help="a checkpoint's weights as .safetensors + .json")
+        commands.add_parser(
+            "export", help="a checkpoint's weights as .safetensors, or as an ONNX graph, + .json"
+        )
+    )
+    _add_predict_flags(
+        commands.add_parser("predict", help="the top-k classes of image files and folders")
     )
     _add_plan_flags(commands.add_parser("plan", help="per-rank memory of a run, ddp against fsdp"))
     convert = commands.add_parser("convert", help="a sharded checkpoint folder as one file")
@@ -200,9 +205,63 @@ def _add_export_flags(p: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         required=True,
-        metavar="W.safetensors",
-        help="the weights file; W.json beside it describes the model and its input",
+        metavar="W.safetensors|M.onnx",
+        help="the weights file or ONNX graph; W.json beside it describes the model and its input",
     )
+    p.add_argument(
+        "--format",
+        choices=("safetensors", "onnx"),
+        default="safetensors",
+        help="safetensors: the state dict; onnx: the model as a graph (dynamic batch), checked "
+        "with onnxruntime against torch (needs ddptrain[onnx]) (default: %(default)s)",
+    )
+
+
+# The launch settings predict takes, as train takes them: where it runs, and the rendezvous of
+# launchers other than torchrun.
+PREDICT_LAUNCH = (
+    "world_size", "rank", "dist_url", "dist_backend", "gpu", "no_accel", "device", "dist_timeout",
+)  # fmt: skip
+
+
+def _add_predict_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model",
+        type=Path,
+        metavar="MODEL",
+        help="a checkpoint, a sharded checkpoint folder, or a .safetensors export (its .json "
+        "beside it)",
+    )
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="image files, and folders (their image files, walked in sorted order)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="one row per input, in input order: .csv, .jsonl or .parquet",
+    )
+    p.add_argument(
+        "--topk", type=int, metavar="K", help="classes per input (default: 5, or every class)"
+    )
+    p.add_argument(
+        "--ema", action="store_true", help="the EMA's weights, which the checkpoint holds"
+    )
+    p.add_argument(
+        "--bad-images",
+        choices=("column", "error"),
+        default="column",
+        help="an image that cannot be read: a row with an error column, or stop naming it "
+        "(default: %(default)s)",
+    )
+    fields = settings()
+    for name in ("batch_size", "workers", "max_image_pixels", *PREDICT_LAUNCH):  # as in train
+        _add_flag(p, name, fields[name])
+        p.set_defaults(**{name: fields[name].default})
 
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
@@ -236,7 +295,8 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
 def parse(argv: list[str] | None = None) -> tuple[str, object]:
     """Returns ("train", (Config, Layers)) for train and eval (config_layers.merge: the settings,
     and what the file and the flags gave), ("synth", (SynthSpec, OUT)) for synth,
-    ("plot", (RUN_DIRs, out or None)), ("export", (CKPT, out)), ("convert", (SRC, DST)),
+    ("plot", (RUN_DIRs, out or None)), ("export", (CKPT, out, format)), ("convert", (SRC, DST)),
+    ("predict", PredictRequest),
     ("check", {"data", "workers", "max_image_pixels", "image_column", "label_column"}),
     ("pack", {"data", "out", ...: pack's flags}) and ("plan", PlanRequest)."""
     args = vars(build_parser().parse_args(argv))
@@ -247,7 +307,9 @@ def parse(argv: list[str] | None = None) -> tuple[str, object]:
     if command == "plot":
         return command, (args["run_dirs"], args["out"])
     if command == "export":
-        return command, (args["checkpoint"], args["out"])
+        return command, (args["checkpoint"], args["out"], args["format"])
+    if command == "predict":
+        return command, _predict_request(args)
     if command == "convert":
         return command, (args["source"], args["destination"])
     if command == "synth":
@@ -299,7 +361,16 @@ def _run(argv: list[str] | None) -> None:
     if command == "export":
         from ddptrain.tools.export import export, sidecar_path
 
-        checkpoint, out = options
+        checkpoint, out, form = options
+        if form == "onnx":
+            from ddptrain.tools.onnx_export import export_onnx
+
+            model, difference = export_onnx(checkpoint, out)
+            print(
+                f"wrote {out} and {sidecar_path(out)} ({model['arch']}, {model['num_classes']} "
+                f"classes); onnxruntime against torch: largest logit difference {difference:.2e}"
+            )
+            return
         model = export(checkpoint, out)
         print(
             f"wrote {out} and {sidecar_path(out)} ({model['arch']}, {model['num_classes']} classes)"
@@ -311,6 +382,14 @@ def _run(argv: list[str] | None) -> None:
         source, destination = options
         saved = convert(source, destination)
         print(f"wrote {destination} ({saved['arch']}, global step {saved['global_step']})")
+        return
+    if command == "predict":
+        from ddptrain.report.progress import counting, say
+        from ddptrain.tools.predict import predict
+
+        line = predict(options, say, counting)
+        if line is not None:  # rank 0's
+            print(line, flush=True)
         return
     if command == "plan":
         from ddptrain.tools.plan import answer
@@ -328,6 +407,16 @@ def _run(argv: list[str] | None) -> None:
             raise SystemExit(code)
         return
     run.train(config, layers=layers)
+
+
+def _predict_request(args: dict):
+    from ddptrain.config import LaunchSettings
+    from ddptrain.tools.predict import PredictRequest
+
+    launch = LaunchSettings(**{name: args.pop(name) for name in PREDICT_LAUNCH})
+    return PredictRequest(
+        args.pop("model"), args.pop("inputs"), args.pop("out"), **args, launch=launch
+    )
 
 
 def _pack(options: dict) -> None:

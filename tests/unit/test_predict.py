@@ -1,0 +1,74 @@
+import csv
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from ddptrain.errors import UserError
+from ddptrain.tools import prediction_files
+from ddptrain.tools.predict import _topk, list_inputs
+
+ROWS = [
+    {"path": "a.png", "top1": "cat", "prob1": 0.75, "top2": "dog", "prob2": 0.25},
+    {"path": "b.png", "error": "not an image"},
+]
+
+
+def test_folders_are_walked_in_sorted_order_and_files_taken_as_given(tmp_path):
+    for name in ("b/2.png", "b/10.jpg", "a/z.png", "a.png", "b/.hidden.png", ".cache/x.png"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("")
+    (tmp_path / "b" / "loop").symlink_to(tmp_path / "b")  # listed once
+    listed = list_inputs([str(tmp_path), str(tmp_path / "notes.txt")]).paths
+    below = [p[len(str(tmp_path)) + 1 :] for p in listed]
+    assert below == ["a/z.png", "a.png", "b/10.jpg", "b/2.png", "notes.txt"]
+
+
+def test_missing_inputs_and_empty_folders_are_named(tmp_path):
+    with pytest.raises(UserError, match=r"INPUT .*nothing does not exist"):
+        list_inputs([str(tmp_path / "nothing")])
+    with pytest.raises(UserError, match=r"INPUT .* holds no image files"):
+        list_inputs([str(tmp_path)])
+
+
+def test_topk_defaults_to_5_or_every_class():
+    assert (_topk(None, 1000), _topk(None, 3), _topk(2, 3)) == (5, 3, 2)
+    with pytest.raises(UserError, match="--topk 4: the model has 3 classes"):
+        _topk(4, 3)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_each_format_has_the_columns_in_order(tmp_path, suffix):
+    out = tmp_path / f"p{suffix}"
+    prediction_files.check(out)
+    prediction_files.write(out, ROWS, 2)
+    if suffix == ".csv":
+        with open(out, newline="") as f:
+            rows = list(csv.reader(f))
+        assert rows == [
+            ["path", "top1", "prob1", "top2", "prob2", "error"],
+            ["a.png", "cat", "0.75", "dog", "0.25", ""],
+            ["b.png", "", "", "", "", "not an image"],
+        ]
+        return
+    if suffix == ".jsonl":
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+    else:
+        rows = pq.read_table(out).to_pylist()
+    assert [list(row) for row in rows] == [prediction_files.columns(ROWS, 2)] * 2
+    assert rows[0] == {**ROWS[0], "error": None}
+    assert rows[1] == {"path": "b.png", "error": "not an image"} | {
+        name: None for name in ("top1", "prob1", "top2", "prob2")
+    }
+
+
+def test_no_error_column_when_every_image_was_read():
+    assert prediction_files.columns(ROWS[:1], 2) == ["path", "top1", "prob1", "top2", "prob2"]
+
+
+def test_an_out_of_another_kind_is_refused_before_any_work(tmp_path):
+    with pytest.raises(UserError, match=r"--out .*p.txt must end in .csv, .jsonl, .parquet"):
+        prediction_files.check(tmp_path / "p.txt")
+    with pytest.raises(UserError, match=r"no directory"):
+        prediction_files.check(tmp_path / "no" / "p.csv")
