@@ -1,0 +1,32 @@
+"""--log-to and --early-stop: what they accept, and a missing tracker package named in one line."""
+
+import sys
+
+import pytest
+
+from ddptrain.config import Config
+from ddptrain.errors import UserError
+from ddptrain.report.trackers import require
+
+
+def test_log_to_takes_mlflow_and_wandb_only():
+    assert Config(log_to=("mlflow", "wandb")).report.log_to == ("mlflow", "wandb")
+    with pytest.raises(UserError, match=r"--log-to must be one of mlflow, wandb, got 'neptune'"):
+        Config(log_to=("mlflow", "neptune"))
+
+
+def test_early_stop_is_a_patience_of_at_least_0():
+    assert Config().optim.early_stop == 0  # never
+    with pytest.raises(UserError, match="--early-stop must be at least 0, got -1"):
+        Config(early_stop=-1)
+
+
+@pytest.mark.parametrize("name", ["mlflow", "wandb"])
+def test_a_missing_tracker_says_what_to_install(monkeypatch, name):
+    monkeypatch.setitem(sys.modules, name, None)  # as if not installed: importing it fails
+    with pytest.raises(UserError) as raised:
+        require(name)
+    assert (
+        str(raised.value)
+        == f"--log-to {name} needs the {name} package: pip install ddptrain[{name}]"
+    )
