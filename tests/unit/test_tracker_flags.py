@@ -1,4 +1,4 @@
-"""--log-to and --early-stop: what they accept, and a missing tracker package named in one line."""
+"""--log-to and --early-stop: what they accept; a missing or failing tracker named in one line."""
 
 import sys
 
@@ -6,7 +6,7 @@ import pytest
 
 from ddptrain.config import Config
 from ddptrain.errors import UserError
-from ddptrain.report.trackers import require
+from ddptrain.report.trackers import require, tracker
 
 
 def test_log_to_takes_mlflow_and_wandb_only():
@@ -30,3 +30,9 @@ def test_a_missing_tracker_says_what_to_install(monkeypatch, name):
         str(raised.value)
         == f"--log-to {name} needs the {name} package: pip install ddptrain[{name}]"
     )
+
+
+def test_a_tracker_that_cannot_start_says_so_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
+    with pytest.raises(UserError, match=r"^--log-to mlflow: starting its run failed: .*bogus"):
+        tracker("mlflow", tmp_path, {"lr": 0.1}, resumed=False).keep_until(0)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ddptrain.distributed.collectives import agree
 from ddptrain.distributed.env import DistEnv
+from ddptrain.errors import UserError
 from ddptrain.report.metrics import MetricsLog
 from ddptrain.report.progress import make_progress, say
 from ddptrain.report.records import SummaryCsv, TensorBoardSink
@@ -112,8 +113,13 @@ class Reporter:
 
     def close(self) -> None:
         self.end_epoch()
-        for sink in [*self.sinks, *self.trackers]:
+        for sink in self.sinks:
             sink.close()
+        for each in self.trackers:
+            try:
+                each.close()
+            except UserError as err:  # said, not raised: close runs as a failed run ends too
+                self.warn(str(err))
 
 
 def warn(env: DistEnv, line: str) -> None:

@@ -17,6 +17,7 @@ a crash loses, so the resumed run logs every epoch it trains, and W&B keeps one 
 ignores a resumed run's rows at steps the run already has.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -68,7 +69,8 @@ class Tracker:
         saved = _read_state(self.out_dir).get(self.name, {}) if self.resumed else {}
         self.logged = int(saved.get("epoch", 0))
         self.done = self.logged if self.durable else min(self.logged, epoch)
-        self.run_id = self.open(saved.get("run_id"))
+        with self._failing("starting its run" if not saved else f"continuing {saved['run_id']}"):
+            self.run_id = self.open(saved.get("run_id"))
         self._save_state()
 
     def write_epoch(self, records: tuple[dict, ...]) -> None:
@@ -77,16 +79,32 @@ class Tracker:
         epoch = int(records[0]["epoch"])
         if self.run_id is None or epoch <= self.done:
             return
-        self.log(
-            {f"{r['split']}/{key}": value for r in records for key, value in scalars(r)}, epoch
-        )
+        values = {f"{r['split']}/{key}": value for r in records for key, value in scalars(r)}
+        with self._failing(f"logging epoch {epoch}"):
+            self.log(values, epoch)
         self.logged = max(self.logged, epoch)
         self._save_state()
 
     def close(self) -> None:
-        if self.run_id is not None:
-            self.finish([self.out_dir / name for name in RECORD_FILES])
-            self.run_id = None
+        if self.run_id is None:
+            return
+        try:
+            with self._failing(f"ending run {self.run_id}"):
+                self.finish([self.out_dir / name for name in RECORD_FILES])
+        finally:
+            self.run_id = None  # ended, or not to be tried again
+
+    @contextlib.contextmanager
+    def _failing(self, doing: str):
+        """A tracker's failure (a server out of reach, W&B online without a login) as one
+        line naming it, on every rank (the Reporter's writes are agreed)."""
+        try:
+            yield
+        except UserError:
+            raise
+        except Exception as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserError(f"--log-to {self.name}: {doing} failed: {first}") from None
 
     def _save_state(self) -> None:
         state = _read_state(self.out_dir)
