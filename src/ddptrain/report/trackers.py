@@ -29,7 +29,6 @@ from ddptrain.errors import UserError
 from ddptrain.report.records import scalars
 from ddptrain.state.files import atomic_write
 
-TRACKERS = ("mlflow", "wandb")
 STATE = "trackers.json"
 RECORD_FILES = ("config.json", "metrics.jsonl", "per_class.jsonl", "summary.csv")
 
@@ -157,7 +156,8 @@ class MlflowTracker(Tracker):
 
         now = int(time.time() * 1000)
         metrics = [Metric(key, value, now, epoch) for key, value in values.items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
+        # synchronous, whatever MLFLOW_ENABLE_ASYNC_LOGGING says: stored before it returns
+        self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
 
     def finish(self, files: list[Path]) -> None:
         for path in files:
