@@ -7,6 +7,7 @@ import pytest
 from ddptrain.config import Config
 from ddptrain.errors import UserError
 from ddptrain.report.trackers import require, tracker
+from ddptrain.state.checkpointer import TrainState
 
 
 def test_log_to_takes_mlflow_and_wandb_only():
@@ -19,6 +20,13 @@ def test_early_stop_is_a_patience_of_at_least_0():
     assert Config().optim.early_stop == 0  # never
     with pytest.raises(UserError, match="--early-stop must be at least 0, got -1"):
         Config(early_stop=-1)
+
+
+def test_the_count_of_epochs_without_a_better_top1_is_checkpointed():
+    state = TrainState(epoch=4, best_acc1=50.0, stale_epochs=2)
+    assert TrainState.from_checkpoint(state.state_dict()).stale_epochs == 2
+    # a checkpoint from before --early-stop resumes with the count at 0
+    assert TrainState.from_checkpoint({"epoch": 4, "best_acc1": 50.0}).stale_epochs == 0
 
 
 @pytest.mark.parametrize("name", ["mlflow", "wandb"])
