@@ -354,9 +354,13 @@ def _run(argv: list[str] | None) -> None:
         _pack(options)
         return
     if command == "plot":
-        from ddptrain.report.plot import plot
+        from ddptrain.report.plot import plot, plot_per_class
 
-        print(f"wrote {plot(*options)}")
+        run_dirs, out = options
+        print(f"wrote {plot(run_dirs, out)}")
+        per_class = plot_per_class(run_dirs[0], out) if len(run_dirs) == 1 else None
+        if per_class is not None:
+            print(f"wrote {per_class}")
         return
     if command == "export":
         from ddptrain.tools.export import export, sidecar_path

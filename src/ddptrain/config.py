@@ -102,6 +102,7 @@ HELP_GROUPS = {
         "local_rank", "dist_timeout", "checkpoint_every", "keep_last", "checkpoint_format", "amp",
         "channels_last", "compile", "strategy", "fsdp_offload", "reshard_after_forward",
         "ddp_comm_hook", "powersgd_rank", "powersgd_start_step", "bucket_cap_mb", "static_graph",
+        "early_stop",
     ),
     "augmentation (train and val transforms)": (
         "crop_scale", "crop_ratio", "hflip", "auto_augment", "ra_magnitude", "random_erase",
@@ -119,7 +120,7 @@ HELP_GROUPS = {
         "accum_steps", "clip_grad_norm", "verify_images", "bad_images", "max_image_pixels",
         "nonfinite", "max_skipped",
     ),
-    "what a run shows and records": ("progress", "tensorboard", "profile"),
+    "what a run shows and records": ("progress", "tensorboard", "log_to", "profile"),
 }  # fmt: skip
 
 
@@ -132,10 +133,11 @@ def _check_values(section) -> None:
             if isinstance(number, float) and not math.isfinite(number):
                 raise UserError(f"{flag_name(flat_key(f))} must be a finite number, got {number}")
         choices = f.metadata["choices"]
-        if choices and value is not None and value not in choices:
-            raise UserError(
-                f"{flag_name(flat_key(f))} must be one of {', '.join(choices)}, got {value!r}"
-            )
+        for item in value if isinstance(value, tuple) else (value,):
+            if choices and item is not None and item not in choices:
+                raise UserError(
+                    f"{flag_name(flat_key(f))} must be one of {', '.join(choices)}, got {item!r}"
+                )
 
 
 def _at_least(checks: dict) -> None:
@@ -410,10 +412,22 @@ class OptimSettings:
     max_skipped: int = _flag(
         10, "--nonfinite skip: stop once this many steps were skipped in a run", metavar="N"
     )
+    early_stop: int = _flag(
+        0,
+        "stop once the val top-1 that picks model_best.pt (the model's or the EMA's) has not "
+        "improved for this many epochs in a row (0: never)",
+        metavar="PATIENCE",
+    )
 
     def __post_init__(self) -> None:
         _check_values(self)
-        _at_least({"--epochs": (self.epochs, 0), "--batch-size": (self.batch_size, 1)})
+        _at_least(
+            {
+                "--epochs": (self.epochs, 0),
+                "--batch-size": (self.batch_size, 1),
+                "--early-stop": (self.early_stop, 0),
+            }
+        )
         # numpy's seed sequences take no negative seed, torch's generator none of 2**64 or more
         # (and each rank seeds with seed + rank).
         if self.seed is not None and not 0 <= self.seed < 2**63:
@@ -653,6 +667,15 @@ class ReportSettings:
     )
     tensorboard: bool = _flag(
         False, "also write TensorBoard event files to OUT_DIR/tensorboard", invocation=True
+    )
+    log_to: tuple[str, ...] = _flag(
+        (),
+        "also log to these experiment trackers, offline by default: MLflow in a SQLite store "
+        "OUT_DIR/mlflow.db (unless MLFLOW_TRACKING_URI is set), W&B in OUT_DIR/wandb (unless "
+        "WANDB_MODE is set)",
+        metavar="mlflow|wandb",
+        choices=("mlflow", "wandb"),
+        invocation=True,
     )
     profile: int = _flag(
         0,

@@ -29,6 +29,7 @@ from ddptrain.parallel.parallelize import will_shard
 from ddptrain.report.progress import counting, say
 from ddptrain.report.records import require_tensorboard
 from ddptrain.report.reporter import warn
+from ddptrain.report.trackers import require as require_tracker
 from ddptrain.state.checkpointer import TrainState
 from ddptrain.state.lock import lock_out_dir
 from ddptrain.state.resume import (
@@ -122,6 +123,9 @@ def _resolve_here(
     config.check_batch_divides(env.world_size)  # -b is the checkpoint's unless given
     if config.report.tensorboard and not config.checkpoint.evaluate:  # eval writes no events
         require_tensorboard()  # on every rank, so that every rank stops when it is missing
+    if not config.checkpoint.evaluate:  # eval logs to no tracker
+        for name in config.report.log_to:
+            require_tracker(name)  # on every rank, as tensorboard
     flags = layers.on_command_line
     kept = None if saved is None or config.checkpoint.evaluate else kept_seed(config, saved, flags)
     warnings = [line for line in [*inert_flags(config, flags), kept] if line]

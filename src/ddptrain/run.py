@@ -269,6 +269,8 @@ def _reporter(resolved: Resolved, env: DistEnv) -> Reporter:
         config.report.tensorboard,
         done.global_step,
         config.checkpoint.evaluate,
+        config.report.log_to,
+        config.to_dict(),
     )
 
 
@@ -410,9 +412,9 @@ def _records(config: Config, env: DistEnv, loaders: Data, precision, seed: int, 
 
 
 def _evaluate_only(run: trainer.Run, state: TrainState) -> TrainState:
-    val = run.evaluate(run.model, "evaluation", state.global_step)
+    val, classes = run.evaluate(run.model, "evaluation", state.global_step)
     record = {"split": "val", "epoch": state.epoch, "global_step": state.global_step}
-    run.reporter.record({**record, **val})
+    run.reporter.record({**record, **val}, per_class=[{**record, **classes}])
     run.reporter.info(
         f"val: loss {val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} "
         f"({val['samples']} images)"

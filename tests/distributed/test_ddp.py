@@ -119,15 +119,28 @@ def evaluate(env, root, batch_size=6):
 
 # 15 val images: on 2 ranks shards of 7 and 8, on 3 ranks 5 each, on 4 ranks 3 and 4; 7 or 3
 # images a rank leave the short shard a last batch of padding only.
+# The confusion counts ride the same all-reduce, so they are checked here too.
 @pytest.mark.parametrize(("world", "batch"), [(2, 6), (3, 6), (2, 14), (4, 12)])
 def test_exact_evaluation_on_an_uneven_val_set(tiny_data, world, batch):
     (single,) = run_ranks(evaluate, 1, tiny_data)
     results = run_ranks(evaluate, world, tiny_data, batch)
     assert single["samples"] == 15
+    assert_confusion_gives_acc1(single)
     for result in results:  # every rank gets the global figures
         assert result["samples"] == 15
         assert result["acc1"] == single["acc1"] and result["acc5"] == single["acc5"]
         assert result["loss"] == pytest.approx(single["loss"], rel=1e-6)
+        assert torch.equal(result["confusion"], single["confusion"])
+        assert_confusion_gives_acc1(result)
+
+
+def assert_confusion_gives_acc1(result):
+    """per_class.jsonl's counts: every val image once, in its true class's row (5 a class),
+    and the diagonal is the top-1 hits acc1 counts."""
+    confusion = result["confusion"]
+    assert confusion.dtype == torch.int64 and confusion.shape == (3, 3)
+    assert confusion.sum(dim=1).tolist() == [5, 5, 5]
+    assert 100 * confusion.diagonal().sum().item() / 15 == result["acc1"]
 
 
 def outcome(call) -> str:

@@ -16,9 +16,10 @@ def runs(tiny_data, tmp_path_factory):
 
 def test_plot_of_one_run_goes_beside_its_metrics(runs):
     result = ok(ddptrain("plot", runs[0]))
-    png = runs[0] / "metrics.png"
-    assert result.stdout.strip() == f"wrote {png}"
+    png, per_class = runs[0] / "metrics.png", runs[0] / "per_class.png"
+    assert result.stdout.strip() == f"wrote {png}\nwrote {per_class}"
     assert png.read_bytes().startswith(PNG) and png.stat().st_size > 20_000
+    assert per_class.read_bytes().startswith(PNG) and per_class.stat().st_size > 20_000
 
 
 def test_plot_of_two_runs_overlaid(runs, tmp_path):

@@ -69,6 +69,14 @@ def scalar_steps(out_dir, tag: str) -> list[int]:
     return [event.step for event in events.Scalars(tag)]
 
 
+def per_class_records(out_dir) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "per_class.jsonl").read_text().splitlines()]
+
+
+def per_class_epochs(out_dir) -> list[tuple[str, int]]:
+    return [(r["split"], r["epoch"]) for r in per_class_records(out_dir)]
+
+
 def test_records_continue_once_each_after_a_restart(tiny_data, tmp_path):
     # Killed while committing epoch 1's checkpoint (global step 3), after its records were
     # written: the restart resumes from step 2, drops them, and records them again.
@@ -82,9 +90,11 @@ def test_records_continue_once_each_after_a_restart(tiny_data, tmp_path):
     assert {"train_loss", "val_acc1", "lr"} <= rows(out)[0].keys()
     assert scalar_steps(out, "val/acc1") == [3, 6]
     assert scalar_steps(out, "step/loss") == [1, 2, 3, 4, 5, 6]  # -p 1: every step once
+    assert per_class_epochs(out) == [("val", 1), ("val", 2)]
 
     ok(torchrun(2, *args[:-1], 3))  # one more epoch
     assert [r["epoch"] for r in rows(out)] == ["1", "2", "3"]
+    assert per_class_epochs(out) == [("val", 1), ("val", 2), ("val", 3)]
     assert scalar_steps(out, "val/acc1") == [3, 6, 9]
 
 
@@ -113,3 +123,10 @@ def test_eval_into_a_run_dir_appends_its_val_record_and_changes_nothing_else(
     trained, evaluated = json.loads(records[-1]), json.loads(lines[-1])
     assert evaluated["split"] == "val" and evaluated["samples"] == 15
     assert (evaluated["epoch"], evaluated["global_step"]) == (1, trained["global_step"])
+    # and per_class.jsonl its per-class record, whose diagonal is acc1's hits
+    assert per_class_epochs(run) == [("val", 1), ("val", 1)]
+    classes = per_class_records(run)[-1]
+    assert classes["classes"] == sorted(folder.name for folder in (tiny_data / "val").iterdir())
+    assert [sum(row) for row in classes["confusion"]] == [5, 5, 5]
+    hits = sum(classes["confusion"][i][i] for i in range(3))
+    assert 100 * hits / 15 == evaluated["acc1"]

@@ -1,4 +1,4 @@
-"""Accuracy counts, exact sums over ranks, and the metrics.jsonl writer."""
+"""Accuracy and confusion counts, exact sums over ranks, and the jsonl writer."""
 
 import errno
 import json
@@ -17,9 +17,16 @@ from ddptrain.state.files import atomic_write
 def topk_correct(output: torch.Tensor, target: torch.Tensor, ks=(1, 5)) -> torch.Tensor:
     """How many rows have the target among their top-k logits, for each k (capped at the class
     count, so acc5 on 3 classes is top-3)."""
-    top = output.topk(min(max(ks), output.shape[1]), dim=1).indices
+    return _hits(_top(output, ks), target, ks)
+
+
+def _top(output: torch.Tensor, ks) -> torch.Tensor:
+    return output.topk(min(max(ks), output.shape[1]), dim=1).indices
+
+
+def _hits(top: torch.Tensor, target: torch.Tensor, ks) -> torch.Tensor:
     hits = top == target[:, None]
-    return torch.stack([hits[:, : min(k, output.shape[1])].any(dim=1).sum() for k in ks])
+    return torch.stack([hits[:, : min(k, top.shape[1])].any(dim=1).sum() for k in ks])
 
 
 class Sums:
@@ -55,11 +62,45 @@ class Sums:
         return summarize(self.values if env is None else self.totals(env))
 
 
+class EvalSums(Sums):
+    """Sums, plus the confusion counts of the top-1 predictions (row: true class, column:
+    predicted), flattened after the four sums so that one all-reduce carries both. The counts
+    are held in the sums' float dtype, exact for counts below 2**53 (2**24 on mps)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.num_classes = 0  # known at the first batch, from the model's output
+
+    def add_masked(
+        self, loss_sum: torch.Tensor, output: torch.Tensor, target: torch.Tensor, valid
+    ) -> None:
+        output, classes = output.detach(), output.shape[1]
+        if not self.num_classes:
+            self.num_classes = classes
+            cells = torch.zeros(classes * classes, dtype=self.values.dtype, device=output.device)
+            self.values = torch.cat([self.values, cells])
+        # The top-1 class of the same topk call that counts acc1, so the diagonal sums to it
+        # even where logits tie.
+        top = _top(output, (1, 5))
+        self.values[0] += loss_sum.detach()
+        self.values[1:3] += _hits(top, target, (1, 5))
+        self.values[3] += valid.sum()
+        cells = target[valid] * classes + top[valid, 0]
+        self.values[4:] += torch.bincount(cells, minlength=classes * classes).to(self.values.dtype)
+
+    def result(self, env: DistEnv) -> tuple[dict[str, float], torch.Tensor]:
+        """The summary over all ranks and the C x C confusion counts (int64, on the CPU). A
+        collective: every rank must call it, after the same number of batches."""
+        totals = self.totals(env)
+        confusion = totals[4:].round().to(torch.int64)
+        return summarize(totals[:4]), confusion.view(self.num_classes, self.num_classes)
+
+
 def summarize(totals: torch.Tensor) -> dict[str, float]:
     """Means from (loss sum, top-1 hits, top-5 hits, samples). With no samples (every step so
     far skipped under --nonfinite skip) each mean is None, null in metrics.jsonl: there is
     nothing to average, and a 0 would read as a perfect loss."""
-    loss, top1, top5, n = totals.tolist()
+    loss, top1, top5, n = totals[:4].tolist()
     if n == 0:
         return {"loss": None, "acc1": None, "acc5": None, "samples": 0}
     return {"loss": loss / n, "acc1": 100 * top1 / n, "acc5": 100 * top5 / n, "samples": int(n)}
@@ -72,10 +113,11 @@ def _gloo(env: DistEnv) -> bool:
 
 
 class MetricsLog:
-    """Appends one JSON object per line to metrics.jsonl; only the main rank writes."""
+    """Appends one JSON object per line to metrics.jsonl (or, named so, per_class.jsonl); only
+    the main rank writes."""
 
-    def __init__(self, out_dir: Path, enabled: bool):
-        self.path, self.enabled = out_dir / "metrics.jsonl", enabled
+    def __init__(self, out_dir: Path, enabled: bool, name: str = "metrics.jsonl"):
+        self.path, self.enabled = out_dir / name, enabled
 
     def write(self, record: dict) -> None:
         """Appends record; a failed write (a full disk) takes back the part of it that was

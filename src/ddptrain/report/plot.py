@@ -1,4 +1,5 @@
-"""`ddptrain plot`: a run's curves from its metrics.jsonl, several runs overlaid.
+"""`ddptrain plot`: a run's curves from its metrics.jsonl, several runs overlaid; for one run,
+its per-class figure too (report/plot_classes.py).
 
 Panels against epoch: loss, top-1 and top-5 accuracy (train, val and the EMA model's val when
 the run has one), learning rate and throughput. Each run keeps one colour; the split is the line
@@ -15,6 +16,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from ddptrain.errors import UserError
+from ddptrain.report.plot_classes import draw_classes, last_evaluation
 from ddptrain.state.files import atomic_write
 
 # Each split's line style and legend entry.
@@ -63,10 +65,26 @@ def plot(run_dirs: list[Path], out: Path | None = None) -> Path:
         raise UserError(f"plot: -o {out}: cannot write .{fmt} files; use .png, .pdf or .svg")
     if not out.parent.is_dir():
         raise UserError(f"plot: -o {out}: no directory {out.parent}")
-    buffer = io.BytesIO()
-    draw(run_dirs).savefig(buffer, format=fmt, dpi=100)
-    atomic_write(out, buffer.getvalue())  # an earlier plot stays whole if this one fails
+    _save(draw(run_dirs), out, fmt)
     return out
+
+
+def plot_per_class(run_dir: Path, out: Path | None = None) -> Path | None:
+    """The per-class figure of one run's last evaluation, beside its curves (per_class.png,
+    or FILE-per-class.EXT with -o FILE.EXT); None where the run has no per_class.jsonl."""
+    record = last_evaluation(run_dir)
+    if record is None:
+        return None
+    out = run_dir / "per_class.png" if out is None else out.with_stem(f"{out.stem}-per-class")
+    _save(draw_classes(record, _labels([run_dir])[0]), out, out.suffix.lstrip(".").lower())
+    return out
+
+
+def _save(figure: Figure, out: Path, fmt: str) -> None:
+    FigureCanvasAgg(figure)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=fmt, dpi=100)
+    atomic_write(out, buffer.getvalue())  # an earlier plot stays whole if this one fails
 
 
 def draw(run_dirs: list[Path]) -> Figure:

@@ -127,7 +127,7 @@ class TensorBoardSink:
             return
         global_step = record.get("global_step", self._last_step)
         assert global_step is not None, "an epoch record needs a global_step, or step() before"
-        for key, value in _scalars(record):
+        for key, value in scalars(record):
             self._writer.add_scalar(f"{record['split']}/{key}", value, global_step)
         self._writer.flush()  # an epoch's scalars on disk before the checkpoint that follows
 
@@ -138,7 +138,7 @@ class TensorBoardSink:
         if self._writer is None:
             return
         self._last_step = global_step
-        for key, value in _scalars(values):
+        for key, value in scalars(values):
             self._writer.add_scalar(f"step/{key}", value, global_step)
 
     def close(self) -> None:
@@ -147,7 +147,7 @@ class TensorBoardSink:
             self._writer = None
 
 
-def _scalars(values: dict):
+def scalars(values: dict):
     """The numbers worth a curve: not the bookkeeping (split, epoch, step, sample counts)."""
     for key, value in values.items():
         numeric = isinstance(value, int | float) and not isinstance(value, bool)

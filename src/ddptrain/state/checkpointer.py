@@ -9,9 +9,9 @@ optimizer and EMA stay as the ranks hold them and each rank writes its own shard
 
 The file holds (DESIGN.md): `model` (plain state dict, no wrapper prefixes, CPU tensors),
 `optimizer` (keyed by parameter name), `scheduler`, the run counters of `TrainState` (`epoch`,
-`global_step`, `best_acc1`, and to continue mid-epoch `epoch_step`, `train_sums`, `epoch_lr`), the
-run's metadata (`arch`, `num_classes`, `class_to_idx`, `config`, `data_seed`) and
-`format_version`.
+`global_step`, `best_acc1`, `stale_epochs` for --early-stop, and to continue mid-epoch
+`epoch_step`, `train_sums`, `epoch_lr`), the run's metadata (`arch`, `num_classes`,
+`class_to_idx`, `config`, `data_seed`) and `format_version`.
 Model-side randomness needs no saved state: it is derived from the seed, epoch, step and rank at
 every step, as augmentation is per sample.
 """
@@ -53,6 +53,7 @@ class TrainState:
     global_step: int = 0
     best_acc1: float = 0.0
     best_model: str = "model"  # which of "model" and "model_ema" model_best.pt was saved for
+    stale_epochs: int = 0  # epochs in a row since best_acc1 last rose (--early-stop)
     epoch_step: int = 0  # steps done in the epoch after `epoch`
     train_sums: torch.Tensor | None = None  # that epoch's running train sums, all ranks
     epoch_lr: float | None = None  # the learning rate that epoch began with, for its record
@@ -63,6 +64,7 @@ class TrainState:
             "global_step": self.global_step,
             "best_acc1": self.best_acc1,
             "best_model": self.best_model,
+            "stale_epochs": self.stale_epochs,
             "epoch_step": self.epoch_step,
             "train_sums": self.train_sums,
             "epoch_lr": self.epoch_lr,
@@ -75,6 +77,8 @@ class TrainState:
             global_step=int(checkpoint.get("global_step", 0)),
             best_acc1=float(checkpoint.get("best_acc1", 0.0)),
             best_model=str(checkpoint.get("best_model", "model")),
+            # 0 in a checkpoint from before --early-stop: its count starts there
+            stale_epochs=int(checkpoint.get("stale_epochs", 0)),
             epoch_step=int(checkpoint.get("epoch_step", 0)),
             train_sums=checkpoint.get("train_sums"),
             epoch_lr=checkpoint.get("epoch_lr"),

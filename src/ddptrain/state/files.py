@@ -449,6 +449,7 @@ ENTRY_TYPES = {
     "epoch": int,
     "global_step": int,
     "epoch_step": int,
+    "stale_epochs": int,
     "num_classes": int,
     "data_seed": int,
     "best_acc1": (int, float),

@@ -22,7 +22,8 @@ from ddptrain.errors import Stopped, UserError
 from ddptrain.faults import Faults
 from ddptrain.model.precision import Precision
 from ddptrain.parallel.parallelize import reshard_gathered, unwrap
-from ddptrain.report.metrics import Sums, summarize
+from ddptrain.report.metrics import EvalSums, Sums, summarize
+from ddptrain.report.per_class import per_class_record
 from ddptrain.report.profile import StepProfiler
 from ddptrain.report.progress import shown
 from ddptrain.report.reporter import Reporter
@@ -43,8 +44,9 @@ def evaluate(
     env: DistEnv,
     precision: Precision | None = None,
     count: Callable[[int], None] | None = None,
-) -> dict[str, float]:
-    """Cross-entropy loss, acc1 and acc5 over the whole val set: each rank its own shard, sums
+) -> dict:
+    """Cross-entropy loss, acc1 and acc5 over the whole val set, and under "confusion" the
+    C x C counts of true class (row) against top-1 class (column): each rank its own shard, sums
     all-reduced, so every image counts once at any world size.
 
     Runs the wrapped model, as training does (under fsdp there is no other): every rank's shard
@@ -57,7 +59,7 @@ def evaluate(
     # at each training forward): evaluate, as save, with rank 0's.
     broadcast_buffers(unwrap(model), env)
     model.eval()
-    sums = Sums(env.device)
+    sums = EvalSums(env.device)
     for batch, (images, target) in enumerate(loader, 1):
         if count is not None:
             count(batch)
@@ -68,7 +70,8 @@ def evaluate(
         loss_sum = F.cross_entropy(output.float(), target, ignore_index=PADDING, reduction="sum")
         sums.add_masked(loss_sum, output, target, target != PADDING)
     reshard_gathered(model)  # under fsdp: not held whole into training (the EMA's, for good)
-    return sums.summary(env)
+    metrics, confusion = sums.result(env)
+    return {**metrics, "confusion": confusion}
 
 
 @dataclass
@@ -114,8 +117,9 @@ class Run:
         if self.faults is not None:
             self.faults.entered(phase, global_step)
 
-    def evaluate(self, model: nn.Module, phase: str, global_step: int) -> dict[str, float]:
-        """evaluate() on the val set, recorded as `phase` of global_step. A collective."""
+    def evaluate(self, model: nn.Module, phase: str, global_step: int) -> tuple[dict, dict]:
+        """evaluate() on the val set, recorded as `phase` of global_step: its metrics.jsonl
+        figures and its per_class.jsonl figures. A collective."""
         self.mark(phase, global_step)
 
         def count(batch: int) -> None:
@@ -124,7 +128,9 @@ class Run:
             if self.faults is not None:
                 self.faults.evaluating(global_step, batch)
 
-        return evaluate(model, self.data.val_loader, self.env, self.precision, count)
+        metrics = evaluate(model, self.data.val_loader, self.env, self.precision, count)
+        classes = sorted(self.data.class_to_idx, key=self.data.class_to_idx.get)
+        return metrics, per_class_record(metrics.pop("confusion"), classes)
 
 
 def _reseed(seed: int, epoch: int, step: int, rank: int) -> None:
@@ -275,22 +281,48 @@ def _stop(run: Run, state: TrainState, sums: Sums, carried: torch.Tensor, signum
     )
 
 
-def _validate(run: Run, global_step: int) -> tuple[dict, dict | None]:
-    """The val record of the model and, with --model-ema, of its average. A collective."""
-    val = run.evaluate(run.model, "evaluation", global_step)
+def _validate(run: Run, global_step: int) -> tuple[dict, dict | None, list[dict]]:
+    """The val record of the model and, with --model-ema, of its average, and the per-class
+    figures of each (split and epoch still to be added). A collective."""
+    val, classes = run.evaluate(run.model, "evaluation", global_step)
     if run.ema is None:
-        return val, None
-    return val, run.evaluate(run.ema.module, "EMA evaluation", global_step)
+        return val, None, [{"split": "val", **classes}]
+    val_ema, classes_ema = run.evaluate(run.ema.module, "EMA evaluation", global_step)
+    return val, val_ema, [{"split": "val", **classes}, {"split": "val_ema", **classes_ema}]
+
+
+def _early_stop_record(config: Config, state: TrainState, at: dict) -> dict:
+    """metrics.jsonl's record that training stopped early, and why."""
+    return {
+        "split": "early_stop",
+        **at,
+        "patience": config.optim.early_stop,
+        "stale_epochs": state.stale_epochs,
+        "best_acc1": state.best_acc1,
+        "best_model": state.best_model,
+    }
+
+
+def _stale(config: Config, state: TrainState) -> bool:
+    """--early-stop's patience is used up. Decided from all-reduced figures only (best_acc1,
+    stale_epochs), the same on every rank, so every rank stops after the same epoch."""
+    return 0 < config.optim.early_stop <= state.stale_epochs
 
 
 def fit(run: Run, state: TrainState) -> TrainState:
     config, reporter = run.config, run.reporter
     start, val = time.perf_counter(), None
+    if state.epoch < config.optim.epochs and _stale(config, state):  # a run that stopped early
+        reporter.info(
+            f"--early-stop {config.optim.early_stop}: stopped early after epoch {state.epoch}, "
+            f"best acc1 {state.best_acc1:.2f}; nothing to train (a larger --early-stop goes on)"
+        )
+        return state
     for epoch in range(state.epoch, config.optim.epochs):
         if state.epoch_step == 0 or state.epoch_lr is None:  # else resumed mid-epoch
             state.epoch_lr = run.optimizer.param_groups[0]["lr"]
         train = train_epoch(run, epoch, state)
-        val, val_ema = _validate(run, state.global_step)
+        val, val_ema, per_class = _validate(run, state.global_step)
         lr, state.epoch_lr = state.epoch_lr, None
         state.epoch, state.epoch_step, state.train_sums = epoch + 1, 0, None
         # model_best.pt follows the better of the model and its average, and says which.
@@ -299,12 +331,19 @@ def fit(run: Run, state: TrainState) -> TrainState:
         is_best = candidates[best] > state.best_acc1
         if is_best:
             state.best_acc1, state.best_model = candidates[best], best
+        state.stale_epochs = 0 if is_best else state.stale_epochs + 1
         # Recorded before the checkpoint: a run killed in between resumes from the previous
         # checkpoint, which drops these records (Reporter.keep_until) and records them again.
         at = {"epoch": state.epoch, "global_step": state.global_step}
         ema = [] if val_ema is None else [{"split": "val_ema", **at, **val_ema}]
+        stopping = _stale(config, state) and state.epoch < config.optim.epochs
+        early_stop = [_early_stop_record(config, state, at)] if stopping else []
         reporter.record(
-            {"split": "train", **at, "lr": lr, **train}, {"split": "val", **at, **val}, *ema
+            {"split": "train", **at, "lr": lr, **train},
+            {"split": "val", **at, **val},
+            *ema,
+            *early_stop,
+            per_class=[{"split": r["split"], **at, **r} for r in per_class],
         )
         save(run, state, is_best)
         if train["data_wait"] > DATA_WAIT_WARNING:
@@ -325,6 +364,12 @@ def fit(run: Run, state: TrainState) -> TrainState:
             f"{val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} "
             f"({val['samples']} images){ema_text} | best acc1 {state.best_acc1:.2f}{best_of}"
         )
+        if stopping:
+            reporter.info(
+                f"--early-stop {config.optim.early_stop}: no better val acc1 in "
+                f"{state.stale_epochs} epochs, so training stops after epoch {state.epoch}"
+            )
+            break
     if val is None:
         reporter.info(
             f"nothing to train: {state.epoch} of {config.optim.epochs} epochs already done"

@@ -1,0 +1,46 @@
+"""--log-to and --early-stop: what they accept; a missing or failing tracker named in one line."""
+
+import sys
+
+import pytest
+
+from ddptrain.config import Config
+from ddptrain.errors import UserError
+from ddptrain.report.trackers import require, tracker
+from ddptrain.state.checkpointer import TrainState
+
+
+def test_log_to_takes_mlflow_and_wandb_only():
+    assert Config(log_to=("mlflow", "wandb")).report.log_to == ("mlflow", "wandb")
+    with pytest.raises(UserError, match=r"--log-to must be one of mlflow, wandb, got 'neptune'"):
+        Config(log_to=("mlflow", "neptune"))
+
+
+def test_early_stop_is_a_patience_of_at_least_0():
+    assert Config().optim.early_stop == 0  # never
+    with pytest.raises(UserError, match="--early-stop must be at least 0, got -1"):
+        Config(early_stop=-1)
+
+
+def test_the_count_of_epochs_without_a_better_top1_is_checkpointed():
+    state = TrainState(epoch=4, best_acc1=50.0, stale_epochs=2)
+    assert TrainState.from_checkpoint(state.state_dict()).stale_epochs == 2
+    # a checkpoint from before --early-stop resumes with the count at 0
+    assert TrainState.from_checkpoint({"epoch": 4, "best_acc1": 50.0}).stale_epochs == 0
+
+
+@pytest.mark.parametrize("name", ["mlflow", "wandb"])
+def test_a_missing_tracker_says_what_to_install(monkeypatch, name):
+    monkeypatch.setitem(sys.modules, name, None)  # as if not installed: importing it fails
+    with pytest.raises(UserError) as raised:
+        require(name)
+    assert (
+        str(raised.value)
+        == f"--log-to {name} needs the {name} package: pip install ddptrain[{name}]"
+    )
+
+
+def test_a_tracker_that_cannot_start_says_so_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
+    with pytest.raises(UserError, match=r"^--log-to mlflow: starting its run failed: .*bogus"):
+        tracker("mlflow", tmp_path, {"lr": 0.1}, resumed=False).keep_until(0)
