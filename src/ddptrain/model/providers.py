@@ -110,19 +110,6 @@ class Timm:
 
         return tuple(self.prefix + name for name in timm.list_models())
 
-    def knows(self, arch: str) -> bool:
-        """Whether arch names one of its models, and a published tag of it where one is given."""
-        import timm
-
-        name = self.model_name(arch)
-        if not timm.is_model(name):
-            return False
-        try:
-            timm.models.get_pretrained_cfg(name)  # refuses an unknown tag
-        except RuntimeError:
-            return False
-        return True
-
     def model_name(self, arch: str) -> str:
         """The name `timm.create_model` takes: NAME or NAME.TAG."""
         return arch.removeprefix(self.prefix)
