@@ -6,12 +6,13 @@ import json
 import pytest
 import timm
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from timm.optim import param_groups_layer_decay
 
 from ddptrain.config import Config
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
-from ddptrain.model.build import build_model
+from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.providers import TIMM, TORCHVISION, provider
 from ddptrain.parallel.fsdp import shard_units
 from ddptrain.resolve import published_preprocessing
@@ -136,3 +137,19 @@ def test_an_export_of_a_timm_run_loads_strictly_into_timm(tmp_path):
     rebuilt.load_state_dict(load_file(tmp_path / "w.safetensors"), strict=True)
     images = torch.rand(2, 3, 32, 32)
     torch.testing.assert_close(rebuilt.eval()(images), model.eval()(images), rtol=0, atol=0)
+
+
+def test_pretrained_file_takes_timms_own_model_safetensors(tmp_path):
+    # what the Hub's cache holds for resnet10t: timm's state dict, 1000 classes, no metadata
+    torch.manual_seed(5)
+    published = timm.create_model("resnet10t").state_dict()
+    save_file(published, tmp_path / "model.safetensors")
+    model = build_model("timm:resnet10t", 3, 32, False)
+    env = DistEnv(0, 1, 0, 1, torch.device("cpu"))
+    fresh = load_pretrained(
+        model, "timm:resnet10t", env, source=str(tmp_path / "model.safetensors")
+    )
+    assert fresh == ["fc.bias", "fc.weight"]  # the head of 3 classes starts new
+    for name, tensor in model.state_dict().items():
+        if name not in fresh:
+            assert torch.equal(tensor, published[name]), name
