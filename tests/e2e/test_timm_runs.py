@@ -36,6 +36,7 @@ def uninterrupted(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("timm-fsdp")
     result = ok(torchrun(2, *args(tiny_data, out)))
     assert "model: timm:test_vit" in result.stdout and "strategy: fsdp" in result.stdout
+    assert "plan: fsdp, 4 per rank: peak " in result.stdout  # traced, not "not available"
     assert training_state(out)["global_step"] == 6
     return out
 
