@@ -10,7 +10,7 @@ the tensors a rank holds, over its first training steps: step 1 ends creating th
 ddptrain lays them out: the planner counts it). Model state: parameters, gradients and optimizer
 state as the rank holds them after a step (under fsdp, the local shards of its DTensors).
 
-    python -m bench.fsdp [--quick] [--per-rank-batch N] [--amp bf16]
+    python -m bench.fsdp [--quick] [--per-rank-batch N] [--amp bf16] [--timm]
 
 A larger per-rank batch gives each parameter moved more compute: the speed ratio at 4 images
 is fsdp's worst case (results for another batch go to fsdp-bN.json, for bf16 to fsdp-bf16.json).
@@ -46,6 +46,7 @@ CLASSES = 10
 TRACKED_STEPS = 3  # 1: the momentum is made; 2 and 3: as every later step
 MODELS = (("resnet50", 32), ("vit_b_16", 32))  # (arch, image size); ViT: patches of 16 px
 QUICK_MODELS = (("resnet18", 32),)
+TIMM_MODELS = (("timm:convnext_atto", 32), ("timm:vit_tiny_patch16_224", 32))
 STATE_TARGET = 0.55  # fsdp / ddp model state per rank, at most
 SPEED_TARGET = 0.85  # fsdp / ddp samples/s, at least
 PLAN_TOLERANCE = 0.15  # planned / measured peak, within this of 1
@@ -227,6 +228,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="precision of both strategies (fsdp: parameters gathered in it, gradients reduced "
         "in fp32; ddp: gradients all-reduced in fp32)",
     )
+    parser.add_argument(
+        "--timm",
+        action="store_true",
+        help="timm's models instead (convnext_atto, vit_tiny_patch16_224 at 32 px): results to "
+        "fsdp-timm.json",
+    )
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--arch", help=argparse.SUPPRESS)
     parser.add_argument("--image-size", type=int, help=argparse.SUPPRESS)
@@ -239,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         return {}
     s, batch = common.scale(args.quick), args.per_rank_batch
-    models, steps = (QUICK_MODELS, 2) if args.quick else (MODELS, 5)
+    models, steps = (QUICK_MODELS, 2) if args.quick else (TIMM_MODELS if args.timm else MODELS, 5)
     planned = {
         arch: plan(
             PlanRequest(
@@ -291,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
     common.print_table("fsdp against ddp, 2 ranks (CPU, gloo)", rows, ratios)
     name = "fsdp" + ("" if batch == PER_RANK_BATCH else f"-b{batch}")
     name += "" if args.amp == "none" else f"-{args.amp}"
+    name += "-timm" if args.timm else ""
     print(f"  -> {common.write_results(name, args.quick, settings, rows, ratios)}")
     return {"rows": rows, "ratios": ratios}
 

@@ -265,7 +265,9 @@ def _add_predict_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-a", "--arch", required=True, help="torchvision model name")
+    p.add_argument(
+        "-a", "--arch", required=True, help="torchvision model name, or timm:NAME[.TAG] for timm's"
+    )
     p.add_argument("--world-size", type=int, default=1, help="ranks of the run (default: 1)")
     p.add_argument(
         "-b",

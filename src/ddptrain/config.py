@@ -51,6 +51,29 @@ DEFAULT_IMAGE_SIZE = 224
 VAL_CROP_RATIO = 0.875  # ImageNet's: val resizes to round(crop / 0.875), then centre-crops
 
 
+TIMM_PREFIX = "timm:"  # --arch timm:NAME[.TAG]: one of timm's models (model/providers.py)
+
+
+def _check_timm_arch(arch: str) -> None:
+    """timm:NAME names one of timm's models, and timm:NAME.TAG one of its published weights."""
+    import timm
+
+    name = arch.removeprefix(TIMM_PREFIX)
+    base, _, tag = name.partition(".")
+    if not timm.is_model(base):
+        like = timm.list_models(f"*{base[:4]}*")[:10] if base else []
+        hint = f"; similar: {', '.join(like)}" if like else ""
+        raise UserError(
+            f"--arch {arch}: timm has no model {base!r} (timm.list_models() lists them){hint}"
+        )
+    if tag and name not in timm.list_pretrained(base):
+        tags = [t.partition(".")[2] for t in timm.list_pretrained(base)]
+        raise UserError(
+            f"--arch {arch}: timm has no weights tagged {tag!r} for {base}; its tags: "
+            + (", ".join(tags) or "none")
+        )
+
+
 @functools.cache
 def architectures() -> tuple[str, ...]:
     """Classification models torchvision builds by name (not helpers such as `get_model`)."""
@@ -106,7 +129,7 @@ HELP_GROUPS = {
     ),
     "augmentation (train and val transforms)": (
         "crop_scale", "crop_ratio", "hflip", "auto_augment", "ra_magnitude", "random_erase",
-        "interpolation", "val_resize", "val_crop",
+        "interpolation", "val_resize", "val_crop", "mean", "std",
     ),
     "loss": ("label_smoothing", "mixup_alpha", "cutmix_alpha"),
     "optimizer and learning-rate schedule": (
@@ -226,6 +249,17 @@ class DataSettings:
     val_crop: int | None = _flag(
         None, "val: centre crop in px (default: --image-size)", metavar="PX"
     )
+    mean: tuple[float, float, float] | None = _flag(
+        None,
+        "per-channel mean the inputs, in [0, 1], are normalised by (default: ImageNet's; "
+        "with --pretrained, that of the weights)",
+        metavar=("R", "G", "B"),
+    )
+    std: tuple[float, float, float] | None = _flag(
+        None,
+        "per-channel standard deviation they are divided by (default: as --mean)",
+        metavar=("R", "G", "B"),
+    )
     verify_images: bool = _flag(
         False, "decode every image of DATA before training (as `ddptrain check`)"
     )
@@ -264,6 +298,8 @@ class DataSettings:
         low, high = self.crop_scale
         if not 0 < low <= high <= 1:
             raise UserError(f"--crop-scale MIN MAX needs 0 < MIN <= MAX <= 1, got {low} {high}")
+        if self.std is not None and min(self.std) <= 0:
+            raise UserError(f"--std must be positive in every channel, got {self.std}")
         low, high = self.crop_ratio
         if not 0 < low <= high:
             raise UserError(f"--crop-ratio MIN MAX needs 0 < MIN <= MAX, got {low} {high}")
@@ -299,12 +335,16 @@ class ModelSettings:
     """The architecture, the weights it starts from, and how its math runs (model/precision.py).
     Config checks --arch last (check_arch)."""
 
-    arch: str = _flag("resnet18", "torchvision model name", "-a", "--arch")
-    # True: the arch's default torchvision weights; a str: a .safetensors export or checkpoint.
+    arch: str = _flag(
+        "resnet18", "torchvision model name, or timm:NAME[.TAG] for timm's", "-a", "--arch"
+    )
+    # True: the arch's default (or tagged) published weights; a str: a .safetensors file or a
+    # checkpoint.
     pretrained: bool | str = _flag(
         False,
-        "start from the architecture's default torchvision weights, or from FILE: a "
-        ".safetensors export or a ddptrain checkpoint (a head of another class count stays new)",
+        "start from the architecture's default published weights (timm's: from the Hugging Face "
+        "cache, with their preprocessing), or from FILE: a .safetensors export, a ddptrain "
+        "checkpoint or timm's model.safetensors (a head of another class count stays new)",
         metavar="FILE",
     )
     # None: the resumed checkpoint's setting, else auto / on for convolutional models / off.
@@ -327,7 +367,9 @@ class ModelSettings:
     def check_arch(self) -> None:
         """Apart, and last in Config: torchvision's list takes seconds to import, which a
         mistake found without it need not wait for."""
-        if self.arch not in architectures():
+        if self.arch.startswith(TIMM_PREFIX):
+            _check_timm_arch(self.arch)
+        elif self.arch not in architectures():
             raise UserError(
                 f"--arch: unknown architecture {self.arch!r}; choose one of: "
                 + ", ".join(architectures())

@@ -9,6 +9,7 @@ merged settings checked, the data source found. One `agree` ends that part, so t
 error on any rank ends every rank. The seed is applied once, from the merged settings.
 """
 
+import math
 import os
 import random
 import secrets
@@ -25,6 +26,7 @@ from ddptrain.data.sources import Source, open_source
 from ddptrain.distributed.collectives import agree, from_rank0
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
+from ddptrain.model.providers import provider
 from ddptrain.parallel.parallelize import will_shard
 from ddptrain.report.progress import counting, say
 from ddptrain.report.records import require_tensorboard
@@ -120,6 +122,8 @@ def _resolve_here(
             check_same_leave_out(given, config, resume)
         check_offload_clipping(config, env)  # with the checkpoint's settings too
     config = settled(config)
+    if saved is None:  # a resumed run has them in its checkpoint's settings
+        config = published_preprocessing(config, layers.given)
     config.check_batch_divides(env.world_size)  # -b is the checkpoint's unless given
     if config.report.tensorboard and not config.checkpoint.evaluate:  # eval writes no events
         require_tensorboard()  # on every rank, so that every rank stops when it is missing
@@ -152,6 +156,22 @@ def _resolve_here(
         warnings=tuple(warnings),
         notes=tuple(notes),
     )
+
+
+def published_preprocessing(config: Config, given: frozenset[str]) -> Config:
+    """--pretrained alone with a timm model: the input its weights were trained with (size,
+    interpolation, mean, std, and the val resize of their crop fraction), for each setting
+    that no flag or --config file gives (`given`)."""
+    maker = provider(config.model.arch)
+    if config.model.pretrained is not True or maker.library != "timm":
+        return config
+    theirs = maker.preprocessing(config.model.arch)
+    crop_pct = theirs.pop("crop_pct", None)
+    config = config.replace(**{key: v for key, v in theirs.items() if key not in given})
+    if crop_pct and "val_resize" not in given:
+        # timm's own rounding of the resize (timm.data.transforms_factory)
+        config = config.replace(val_resize=math.floor(config.data.eval_crop / crop_pct))
+    return config
 
 
 def check_offload_clipping(config: Config, env: DistEnv) -> None:

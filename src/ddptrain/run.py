@@ -284,6 +284,7 @@ def _load_pretrained(model, config: Config, loaders: Data, env: DistEnv, reporte
         env,
         source=config.model.pretrained,
         classes=classes if config.checkpoint.evaluate else None,
+        image_size=config.data.image_size,
     )
     if fresh:
         origin = "" if config.model.pretrained is True else f" from {config.model.pretrained}"

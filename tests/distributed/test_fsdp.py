@@ -48,18 +48,38 @@ def full_weights(checkpointer: Checkpointer):
     return flat(state) if checkpointer.env.is_main else None
 
 
+def timm_vit(env, arch="timm:test_vit"):
+    """timm's test ViT for 16 px crops (one patch), LayerNorm only; other ranks start from other
+    weights, as group_norm_resnet's."""
+    torch.manual_seed(0)
+    model = build_model(arch, 3, 16, False)
+    if env.rank != 0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    return model
+
+
 def train_epoch(
-    env, root, out_dir, strategy, resume=None, sharded_format=False, wrapping=None, nhwc=False
+    env,
+    root,
+    out_dir,
+    strategy,
+    resume=None,
+    sharded_format=False,
+    wrapping=None,
+    nhwc=False,
+    arch="resnet18",
 ):
     """One epoch (2 steps of global batch 12) from scratch or from `resume`, then a checkpoint
     (a DCP folder with sharded_format); `wrapping`: more of wrap's options; `nhwc`: the batches
-    in channels_last, as --channels-last lays them out."""
+    in channels_last, as --channels-last lays them out; `arch` timm:test_vit for timm's ViT
+    instead of group_norm_resnet."""
     out_dir.mkdir(exist_ok=True)
     config = Config(data=str(root), batch_size=12, workers=0, image_size=16)
     loaders = build_data(config, env, open_source(config), seed=11)
-    model = wrap(
-        group_norm_resnet(env), env, strategy=strategy, arch="resnet18", **(wrapping or {})
-    )
+    built = timm_vit(env, arch) if arch.startswith("timm:") else group_norm_resnet(env)
+    model = wrap(built, env, strategy=strategy, arch=arch, **(wrapping or {}))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 30)
     parts = training_parts(unwrap(model), optimizer, scheduler, env, sharded=is_sharded(model))
@@ -112,6 +132,15 @@ def test_fsdp_on_two_ranks_equals_ddp(first_epoch):
     torch.testing.assert_close(fsdp, ddp, rtol=0, atol=1e-5)
     saved = load(fsdp_dir / "checkpoint.pt")["model"]  # the file holds what rank 0 gathered
     torch.testing.assert_close(flat(saved), fsdp)
+
+
+def test_a_timm_vit_under_fsdp_on_two_ranks_trains_as_under_ddp(tiny_data, tmp_path):
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        one_epoch = (train_epoch, 2, tiny_data, tmp_path / strategy, strategy)
+        runs[strategy] = run_ranks(*one_epoch, None, False, None, False, "timm:test_vit")[0]
+    assert not torch.equal(runs["ddp"], flat(timm_vit(RANK0).state_dict()))
+    torch.testing.assert_close(runs["fsdp"], runs["ddp"], rtol=0, atol=1e-5)
 
 
 def test_checkpoints_move_between_strategies_and_world_sizes(tiny_data, tmp_path, first_epoch):

@@ -216,3 +216,13 @@ def test_one_process_on_several_gpus_wraps_its_replicas_in_the_runs_autocast(mon
         wrapped = wrap(model, gpu, amp_dtype=torch.bfloat16, place=lambda m: m)
     assert isinstance(wrapped, nn.DataParallel) and wrapped.module.dtype == torch.bfloat16
     assert unwrap(wrapped) is model  # no prefix in checkpoints
+
+
+def test_mean_and_std_normalise_the_batches_and_std_must_be_positive():
+    # --mean and --std (or a timm model's published ones): uint8 255 -> (1 - 0.5) / 0.25
+    p = Precision("cpu", mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
+    images = torch.full((1, 3, 2, 2), 255, dtype=torch.uint8)
+    normalised = p.inputs(images, torch.device("cpu"))
+    torch.testing.assert_close(normalised, torch.full((1, 3, 2, 2), 2.0))
+    with pytest.raises(UserError, match="--std must be positive"):
+        Config(std=(0.2, 0.0, 0.2))

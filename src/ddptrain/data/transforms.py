@@ -18,6 +18,12 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # what torchvision's references erase with, on float images after normalisation.
 MEAN_UINT8 = tuple(round(255 * m) for m in MEAN)
 
+
+def normalization(data: DataSettings) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(mean, std) the inputs are normalised by: --mean and --std, else ImageNet's."""
+    return data.mean or MEAN, data.std or STD
+
+
 INTERPOLATION = {
     "bilinear": v2.InterpolationMode.BILINEAR,
     "bicubic": v2.InterpolationMode.BICUBIC,

@@ -111,19 +111,26 @@ def load_pretrained(
     env: DistEnv,
     source: bool | str = True,
     classes: list[str] | None = None,
+    image_size: int | None = None,
 ) -> list[str]:
-    """Initial weights for model: source True is the arch's default torchvision weights
-    (downloaded by rank 0 first), a str the path of a .safetensors export or a ddptrain
-    checkpoint. A head of another class count stays new; returns the names left new (the
-    caller's Reporter says so). `classes`, the data's class names in index order, asks for
-    weights that already know them (--evaluate): a head left new is refused, and so is a
-    file that names other classes.
+    """Initial weights for model: source True is the arch's default published weights
+    (downloaded by rank 0 first; a timm model's adapted to `image_size`), a str the path of a
+    .safetensors file (an export, or timm's own) or a ddptrain checkpoint. A head of another
+    class count stays new; returns the names left new (the caller's Reporter says so).
+    `classes`, the data's class names in index order, asks for weights that already know them
+    (--evaluate): a head left new is refused, and so is a file that names other classes.
 
     A collective: every rank must call it. A model on the meta device is left as it is: its
     rank receives rank 0's weights when it is wrapped.
     """
     if next(model.parameters()).is_meta:
         fresh = rank0_first(env, lambda: [])
+    elif source is True and provider(arch).library == "timm":
+        # rank 0 first: it downloads, the others find the weights in the cache
+        size = image_size or 224
+        num_classes = model.num_classes
+        state = rank0_first(env, lambda: provider(arch).published_state(arch, num_classes, size))
+        fresh = _load_fitting(model, state)
     elif source is True:
         state = rank0_first(env, lambda: _pretrained_state(arch, show_progress=env.is_main))
         fresh = _load_fitting(model, state)
@@ -218,7 +225,7 @@ def _read_weights_file(path: Path) -> tuple[dict[str, torch.Tensor], str | None,
         what = "is a directory" if path.is_dir() else "does not exist"
         raise UserError(
             f"--pretrained: {path} {what}; give a .safetensors file from `ddptrain export` or "
-            "a ddptrain checkpoint (or --pretrained alone for torchvision's weights)"
+            "a ddptrain checkpoint (or --pretrained alone for the arch's published weights)"
         )
     if path.suffix == ".safetensors":
         try:

@@ -11,6 +11,7 @@ its input, so NHWC batches alone get the NHWC kernels (measured in docs/strategi
 """
 
 import contextlib
+import dataclasses
 import functools
 import platform
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from ddptrain.config import Config, ModelSettings
-from ddptrain.data.transforms import MEAN, STD
+from ddptrain.data.transforms import MEAN, STD, normalization
 from ddptrain.errors import UserError
 
 DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -34,6 +35,8 @@ class Precision:
     scaler: torch.amp.GradScaler | None = None
     reason: str = ""  # why this amp, for the start-up summary
     warning: str | None = None  # rank 0 shows it: a choice that works but is slow here
+    mean: tuple[float, ...] = MEAN  # the normalisation of uint8 batches (--mean, --std)
+    std: tuple[float, ...] = STD
 
     def autocast(self) -> contextlib.AbstractContextManager:
         dtype = DTYPES[self.amp]
@@ -48,7 +51,7 @@ class Precision:
         if images.dtype == torch.uint8:
             # (x / 255 - mean) / std in the loader's NCHW layout, where the per-channel constants
             # make long contiguous runs: on a CPU, faster than in channels_last.
-            scale, shift = _normalization(images.device)
+            scale, shift = _normalization(images.device, tuple(self.mean), tuple(self.std))
             images = images.float()
             images = torch.addcmul(shift, images, scale, out=images)
         return images.contiguous(memory_format=layout)
@@ -84,12 +87,14 @@ class Precision:
 
 
 @functools.cache
-def _normalization(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _normalization(
+    device: torch.device, mean: tuple[float, ...], std: tuple[float, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel scale and shift on the device, made once: a fresh host tensor in every step
     would be a host-to-device copy per step."""
-    mean = torch.tensor(MEAN, dtype=torch.float64).view(1, 3, 1, 1)
-    std = torch.tensor(STD, dtype=torch.float64).view(1, 3, 1, 1)
-    scale, shift = 1 / (255 * std), -mean / std
+    m = torch.tensor(mean, dtype=torch.float64).view(1, 3, 1, 1)
+    s = torch.tensor(std, dtype=torch.float64).view(1, 3, 1, 1)
+    scale, shift = 1 / (255 * s), -m / s
     return scale.float().to(device), shift.float().to(device)
 
 
@@ -221,6 +226,8 @@ def resolve_precision(
 def run_precision(config: Config, model: nn.Module, device: torch.device) -> Precision:
     """resolve_precision for a run's Config (no checkpoint's settings left to merge)."""
     seeded = config.optim.seed is not None
-    return resolve_precision(
+    precision = resolve_precision(
         config.model, None, model, device, image_size=config.data.image_size, seeded=seeded
     )
+    mean, std = normalization(config.data)
+    return dataclasses.replace(precision, mean=mean, std=std)

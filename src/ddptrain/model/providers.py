@@ -1,16 +1,19 @@
-"""Where models come from, by --arch: today torchvision's classification models.
+"""Where models come from, by --arch: torchvision's classification models by name, timm's as
+`timm:NAME` or `timm:NAME.TAG` (TAG: one of its published weights).
 
 A provider names the models it builds, builds one for a class count and crop size (on the meta
 device when asked), says where its published weights are, and names the blocks its models are
 built from, which fsdp shards as units (parallel/fsdp.py). The builder (model/build.py), fsdp, the
-planner and export reach models only through this, so another library's models (timm's) are a
-second provider here, chosen by the form of the name.
+planner and export reach models only through this; the form of the name picks the provider.
 """
 
+import contextlib
 import functools
 
 import torch
 from torch import nn
+
+from ddptrain.errors import UserError
 
 # These take their published weights with ImageNet's input transform built in.
 _TRANSFORM_INPUT = ("googlenet", "inception_v3")
@@ -93,13 +96,193 @@ class Torchvision:
         )
 
 
+class Timm:
+    """timm's models, by `timm:NAME` or `timm:NAME.TAG` (`timm:convnext_atto.d2_in1k`): the
+    name as `timm.create_model` takes it, after the prefix."""
+
+    library = "timm"
+    prefix = "timm:"
+
+    @functools.cached_property
+    def names(self) -> tuple[str, ...]:
+        """The models it builds, as --arch names them (without tags)."""
+        import timm
+
+        return tuple(self.prefix + name for name in timm.list_models())
+
+    def model_name(self, arch: str) -> str:
+        """The name `timm.create_model` takes: NAME or NAME.TAG."""
+        return arch.removeprefix(self.prefix)
+
+    def pretrained_cfg(self, arch: str) -> dict:
+        """timm's description of the model's default (or tagged) published weights: where they
+        are (`hf_hub_id`), and the preprocessing they were trained with (mean, std,
+        input_size, crop_pct, interpolation)."""
+        import timm
+
+        cfg = timm.models.get_pretrained_cfg(self.model_name(arch))
+        return {} if cfg is None else cfg.to_dict()
+
+    def preprocessing(self, arch: str) -> dict:
+        """The input its published weights were trained with, by flat setting key (config.py):
+        image_size, interpolation, mean, std; and crop_pct, the share of the resized image
+        evaluation crops."""
+        cfg = self.pretrained_cfg(arch)
+        out = {key: tuple(cfg[key]) for key in ("mean", "std") if len(cfg.get(key) or ()) == 3}
+        if cfg.get("input_size"):
+            out["image_size"] = int(cfg["input_size"][-1])
+        if cfg.get("interpolation") in ("bilinear", "bicubic", "nearest"):
+            out["interpolation"] = cfg["interpolation"]
+        if cfg.get("crop_pct"):
+            out["crop_pct"] = float(cfg["crop_pct"])
+        return out
+
+    def model_kwargs(self, arch: str, num_classes: int, image_size: int) -> dict:
+        """What `timm.create_model(NAME, **kwargs)` takes to build this run's model: the class
+        count, and the image size for models whose structure depends on it (timm marks them
+        `fixed_input_size`: ViTs, whose position embedding has one entry per patch)."""
+        kwargs: dict = {"num_classes": num_classes}
+        if self.pretrained_cfg(arch).get("fixed_input_size"):
+            kwargs["img_size"] = image_size
+        return kwargs
+
+    def build(
+        self,
+        name: str,
+        num_classes: int,
+        image_size: int,
+        published: bool,
+        meta: bool,
+        drop_path: float = 0.0,
+    ) -> nn.Module:
+        """The model with a num_classes head for image_size crops, initialised as timm does
+        (published weights come in later: model/build.py); on the meta device if asked."""
+        import timm
+
+        kwargs = self.model_kwargs(name, num_classes, image_size)
+        if drop_path > 0:
+            kwargs["drop_path_rate"] = drop_path
+        try:
+            with torch.device("meta") if meta else contextlib.nullcontext():
+                return timm.create_model(self.model_name(name), **kwargs)
+        except TypeError as err:
+            if "drop_path_rate" in str(err):
+                raise UserError(
+                    f"--drop-path: --arch {name} has no stochastic depth; leave --drop-path out"
+                ) from None
+            raise
+
+    def published_state(self, arch: str, num_classes: int, image_size: int) -> dict:
+        """The model's default (or tagged) published weights, for this run's model: from the
+        Hugging Face cache (model/hub.py), adapted by timm's own loading (a ViT's position
+        embedding resampled to image_size); without the head where the class count differs,
+        which stays new."""
+        import timm
+
+        from ddptrain.model import hub
+
+        cfg = self.pretrained_cfg(arch)
+        filename = cfg.get("hf_hub_filename") or hub.WEIGHTS_FILE
+        if not cfg.get("hf_hub_id") or not filename.endswith(".safetensors"):
+            raise UserError(
+                f"--pretrained: timm publishes no safetensors weights for {arch} on the Hugging "
+                f"Face Hub; pick a tag of timm.list_pretrained('{self.model_name(arch)}*')"
+            )
+        path = hub.weights_file(cfg["hf_hub_id"], filename)
+        loaded = timm.create_model(
+            self.model_name(arch),
+            pretrained=True,
+            pretrained_cfg_overlay={"file": str(path), "source": None},
+            **self.model_kwargs(arch, num_classes, image_size),
+        )
+        state = loaded.state_dict()
+        if num_classes != cfg.get("num_classes"):  # timm's new head: random, not published
+            heads = cfg.get("classifier") or ()
+            for head in (heads,) if isinstance(heads, str) else heads:
+                state.pop(f"{head}.weight", None)
+                state.pop(f"{head}.bias", None)
+        return state
+
+    @functools.cached_property
+    def blocks(self) -> tuple[type[nn.Module], ...]:
+        """The residual blocks of timm's main families, as torchvision's: ResNet and RegNet,
+        ConvNeXt (V2 too), ViT (DeiT, BEiT's layout), EVA, Swin, MaxViT and CoAtNet, the
+        EfficientNet and MobileNet family (V3, V4), ByobNet's (RepVGG, MobileOne, ...)."""
+        from timm.models import (
+            _efficientnet_blocks,
+            byobnet,
+            convnext,
+            eva,
+            maxxvit,
+            regnet,
+            resnet,
+            swin_transformer,
+            vision_transformer,
+        )
+
+        return (
+            resnet.BasicBlock,
+            resnet.Bottleneck,
+            regnet.Bottleneck,
+            regnet.PreBottleneck,
+            convnext.ConvNeXtBlock,
+            vision_transformer.Block,
+            vision_transformer.ResPostBlock,
+            vision_transformer.ParallelScalingBlock,
+            vision_transformer.ParallelThingsBlock,
+            eva.EvaBlock,
+            eva.EvaBlockPostNorm,
+            swin_transformer.SwinTransformerBlock,
+            maxxvit.MaxxVitBlock,
+            maxxvit.ParallelMaxxVitBlock,
+            maxxvit.MbConvBlock,
+            maxxvit.ConvNeXtBlock,
+            maxxvit.TransformerBlock2d,
+            _efficientnet_blocks.DepthwiseSeparableConv,
+            _efficientnet_blocks.InvertedResidual,  # CondConvResidual is a subclass
+            _efficientnet_blocks.EdgeResidual,
+            _efficientnet_blocks.UniversalInvertedResidual,
+            _efficientnet_blocks.MobileAttention,
+            byobnet.BasicBlock,
+            byobnet.BottleneckBlock,
+            byobnet.DarkBlock,
+            byobnet.EdgeBlock,
+            byobnet.RepVggBlock,
+            byobnet.MobileOneBlock,
+            byobnet.SelfAttnBlock,
+        )
+
+    def classifier(self, model: nn.Module) -> nn.Module:
+        """The classification head: what timm itself resets for a new class count."""
+        return model.get_classifier()
+
+    def layer_ids(self, model: nn.Module) -> dict[str, int]:
+        """Parameter name -> layer index (0: the stem, highest: the head), as timm's
+        `param_groups_layer_decay` assigns them: by the model's group_matcher, else timm's
+        automatic grouping, and the highest index for a parameter the map leaves out."""
+        from timm.models import group_parameters
+        from timm.optim._param_groups import auto_group_layers
+
+        if hasattr(model, "group_matcher"):
+            layer_map = group_parameters(model, model.group_matcher(coarse=False), reverse=True)
+        else:
+            layer_map = auto_group_layers(model)
+        highest = max(layer_map.values())
+        return {name: layer_map.get(name, highest) for name, _ in model.named_parameters()}
+
+    def set_grad_checkpointing(self, model: nn.Module) -> None:
+        """timm's own switch: its blocks' forwards recompute activations in backward."""
+        model.set_grad_checkpointing(True)
+
+
 TORCHVISION = Torchvision()
-PROVIDERS = (TORCHVISION,)
+TIMM = Timm()
+PROVIDERS = (TORCHVISION, TIMM)
 
 
-def provider(arch: str) -> Torchvision:
-    """The provider that builds --arch."""
-    return TORCHVISION
+def provider(arch: str) -> Torchvision | Timm:
+    """The provider that builds --arch: timm's for `timm:NAME`, else torchvision's."""
+    return TIMM if arch.startswith(Timm.prefix) else TORCHVISION
 
 
 def blocks() -> tuple[type[nn.Module], ...]:

@@ -6,8 +6,8 @@ whole of one block at a time and a shard of the rest. The rule:
 
 1. the blocks the models are built from (model/providers.py: ResNet's BasicBlock and
    Bottleneck, ViT's EncoderBlock, ConvNeXt's CNBlock, Swin, MobileNet, ShuffleNet, MNASNet, RegNet,
-   EfficientNet, MaxViT and DenseNet blocks), outermost first (a block inside a block is not
-   a unit of its own);
+   EfficientNet, MaxViT and DenseNet blocks; timm's of the same families), outermost first (a
+   block inside a block is not a unit of its own);
 2. a model with none of them: each child of its `features` and `classifier` stacks that holds
    parameters (VGG, AlexNet, SqueezeNet);
 3. else each direct child of the model that holds parameters (GoogLeNet, Inception v3).

@@ -5,6 +5,7 @@ import torch.distributed as dist
 import torchvision
 
 from ddptrain import __version__
+from ddptrain.data.transforms import normalization, val_sizes
 from ddptrain.distributed.env import DistEnv
 
 
@@ -27,6 +28,7 @@ def start_summary(config, env, loaders, precision, parameters, steps_per_epoch, 
         f"compile {precision.compile}",
         "strategy": strategy,
         "data": f"{loaders.num_classes} classes, {train} train / {loaders.num_val} val images",
+        "input": _input(config.data),
         "out dir": str(config.checkpoint.out_dir),
         "start": (
             f"resumed from {resume}" if resume else f"fresh, epoch {config.checkpoint.start_epoch}"
@@ -36,3 +38,18 @@ def start_summary(config, env, loaders, precision, parameters, steps_per_epoch, 
 
 def _backend(env: DistEnv) -> str:
     return dist.get_backend() if env.distributed else "none (one process)"
+
+
+def _input(data) -> str:
+    """How images become inputs: crops, interpolation, normalisation (--pretrained with a timm
+    model takes them from its weights)."""
+    resize, crop = val_sizes(data)
+    mean, std = normalization(data)
+    return (
+        f"{data.image_size} px train crops, val resize {resize} crop {crop}, "
+        f"{data.interpolation}, mean {_numbers(mean)}, std {_numbers(std)}"
+    )
+
+
+def _numbers(values) -> str:
+    return "(" + ", ".join(f"{v:.4g}" for v in values) + ")"

@@ -1,10 +1,11 @@
 """`ddptrain export CKPT --out W.safetensors`: a checkpoint's weights for use outside ddptrain.
 
 W.safetensors holds the model's state dict (it loads strictly into the library's model: for
-torchvision, `torchvision.models.get_model(arch, num_classes=num_classes)`); safetensors files hold
-tensors only, so loading one never runs code. W.json, beside it, says which model it is (library,
-arch, num_classes) and how to feed it: classes (names in index order), image_size, val_resize,
-interpolation, mean, std.
+torchvision, `torchvision.models.get_model(arch, num_classes=num_classes)`; for timm,
+`timm.create_model(timm_name, **create_model_kwargs)`, the class count and, for models built for
+one image size, img_size); safetensors files hold tensors only, so loading one never runs code.
+W.json, beside it, says which model it is (library, arch, num_classes) and how to feed it:
+classes (names in index order), image_size, val_resize, interpolation, mean, std.
 """
 
 import json
@@ -13,7 +14,7 @@ from pathlib import Path
 from safetensors.torch import save
 
 from ddptrain.config import Config
-from ddptrain.data.transforms import MEAN, STD, val_sizes
+from ddptrain.data.transforms import normalization, val_sizes
 from ddptrain.errors import UserError
 from ddptrain.model.providers import provider
 from ddptrain.state import files, sharded
@@ -59,17 +60,28 @@ def describe(checkpoint: dict, path: Path) -> dict:
     if missing:
         raise UserError(f"export: {path} lacks {', '.join(missing)}: not a ddptrain training run")
     class_to_idx = checkpoint["class_to_idx"]
-    sizes = {key: config.get(key) for key in ("val_crop", "val_resize")}
-    resize, crop = val_sizes(Config(image_size=int(config["image_size"]), **sizes).data)
+    sizes = {key: config.get(key) for key in ("val_crop", "val_resize", "mean", "std")}
+    data = Config(image_size=int(config["image_size"]), **sizes).data
+    resize, crop = val_sizes(data)
+    mean, std = normalization(data)
+    arch, num_classes = checkpoint["arch"], int(checkpoint.get("num_classes", len(class_to_idx)))
+    maker = provider(arch)
+    built_by = {}
+    if maker.library == "timm":  # how to build the model these weights load into
+        built_by = {
+            "timm_name": maker.model_name(arch),
+            "create_model_kwargs": maker.model_kwargs(arch, num_classes, data.image_size),
+        }
     return {
-        "library": provider(checkpoint["arch"]).library,
-        "arch": checkpoint["arch"],
-        "num_classes": int(checkpoint.get("num_classes", len(class_to_idx))),
+        "library": maker.library,
+        "arch": arch,
+        "num_classes": num_classes,
+        **built_by,
         "classes": sorted(class_to_idx, key=class_to_idx.get),
         # What the model was evaluated on (the val preset): resize the short side, centre-crop.
         "image_size": int(crop),
         "val_resize": int(resize),
         "interpolation": config.get("interpolation") or "bilinear",
-        "mean": list(MEAN),
-        "std": list(STD),
+        "mean": list(mean),
+        "std": list(std),
     }
