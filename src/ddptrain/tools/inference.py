@@ -21,7 +21,9 @@ from ddptrain.state import files, sharded
 from ddptrain.tools.export import SUFFIX, describe, sidecar_path
 
 # What predict needs of an export's JSON (export.describe writes them all).
-NEEDED = ("arch", "num_classes", "classes", "image_size", "val_resize", "interpolation")
+NEEDED = (
+    "arch", "num_classes", "classes", "image_size", "val_resize", "interpolation", "mean", "std"
+)
 
 
 @dataclass

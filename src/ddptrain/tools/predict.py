@@ -223,7 +223,9 @@ def _predict_shard(
         pin_memory=env.device.type == "cuda",
     )
     model = trained.model.to(env.device)
-    precision = Precision(device_type=env.device.type)
+    # normalised as the model was trained (a timm model's weights may bring their own mean, std)
+    d = trained.description
+    precision = Precision(device_type=env.device.type, mean=tuple(d["mean"]), std=tuple(d["std"]))
     rows = []
     share = " (rank 0's share)" if env.world_size > 1 else ""
     progress = (
