@@ -22,7 +22,14 @@ from ddptrain.tools.export import SUFFIX, describe, sidecar_path
 
 # What predict needs of an export's JSON (export.describe writes them all).
 NEEDED = (
-    "arch", "num_classes", "classes", "image_size", "val_resize", "interpolation", "mean", "std"
+    "arch",
+    "num_classes",
+    "classes",
+    "image_size",
+    "val_resize",
+    "interpolation",
+    "mean",
+    "std",
 )
 
 
