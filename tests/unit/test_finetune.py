@@ -2,6 +2,7 @@
 provider's layer map, head, stochastic depth and activation checkpointing."""
 
 import copy
+import re
 
 import pytest
 import timm
@@ -12,6 +13,7 @@ from timm.optim import param_groups_layer_decay
 from ddptrain.config import Config
 from ddptrain.errors import UserError
 from ddptrain.model.providers import TORCHVISION
+from ddptrain.state.resume import check_continuable
 from ddptrain.train.finetune import head_names, lr_layers
 from ddptrain.train.optim import build_optimizer, group_lrs, schedule_lr
 
@@ -117,3 +119,13 @@ def test_grad_checkpointing_gives_the_same_loss_and_gradients_and_names():
     assert list(model.state_dict()) == list(plain.state_dict())
     twin = copy.deepcopy(model)  # the EMA's: checkpointed too, of its own weights
     assert type(twin.layer1[0]) is type(model.layer1[0])
+
+
+def test_layer_decay_or_head_lr_scale_changed_on_resume_is_one_line(tmp_path):
+    """They shape the optimizer's parameter groups, which the saved state loads into."""
+    saved = {"config": Config(layer_decay=0.8).to_dict()}
+    check_continuable(saved, Config(layer_decay=0.8, freeze_backbone=True), tmp_path)
+    with pytest.raises(UserError, match=re.escape("no --layer-decay (trained with 0.8)")):
+        check_continuable(saved, Config(), tmp_path)
+    with pytest.raises(UserError, match=re.escape("--head-lr-scale 10 (trained with 1)")):
+        check_continuable(saved, Config(layer_decay=0.8, head_lr_scale=10), tmp_path)
