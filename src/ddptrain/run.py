@@ -149,6 +149,11 @@ def _build(
     layers, freezing = _finetuning(config, model)
     if freezing is not None:
         freezing.enter(position.epoch)
+        if not config.model.pretrained and saved is None:
+            reporter.warn(
+                "--freeze-backbone without --pretrained: the frozen backbone keeps the random "
+                "weights it was built with; give --pretrained [FILE]"
+            )
     # Under fsdp the EMA averages into a twin of the model, sharded alike: its structure is
     # copied before sharding, as FSDP2 refuses to copy a sharded model.
     structure = (

@@ -322,10 +322,9 @@ def fit(run: Run, state: TrainState) -> TrainState:
         # checkpoint, which drops these records (Reporter.keep_until) and records them again.
         at = {"epoch": state.epoch, "global_step": state.global_step}
         ema = [] if val_ema is None else [{"split": "val_ema", **at, **val_ema}]
-        # The schedule's LR, and with LR groups (--layer-decay, --head-lr-scale) each one's.
-        lrs = {"lr": lr}
-        if layer_lrs := group_lrs(run.optimizer, lr):
-            lrs["lr_groups"] = layer_lrs
+        # The schedule's LR, and with LR groups (--layer-decay, --head-lr-scale) each one's, as
+        # numbers of their own (lr_layer_0, ..., lr_head): columns and curves in every record.
+        lrs = {"lr": lr, **{f"lr_{name}": v for name, v in group_lrs(run.optimizer, lr).items()}}
         reporter.record(
             {"split": "train", **at, **lrs, **train}, {"split": "val", **at, **val}, *ema
         )
