@@ -93,7 +93,7 @@ def test_the_finetune_recipe_runs_and_sets_what_it_says(tiny_data, tmp_path, pre
     and 3 epochs of the tiny set (its warmup takes 2)."""
     out = tmp_path / "run"
     given = ("-a", "resnet18", "--pretrained", pretrained)
-    ok(
+    result = ok(
         ddptrain(
             "train",
             *tiny_args(tiny_data, out, "--epochs", 3),
@@ -102,6 +102,8 @@ def test_the_finetune_recipe_runs_and_sets_what_it_says(tiny_data, tmp_path, pre
             *given,
         )
     )
+    shown = "fine-tuning: head only for 1 epoch(s), then all, layer decay 0.85, head LR x10\n"
+    assert shown in result.stdout
     recipe = tomllib.loads((resources.files("ddptrain") / "recipes" / "finetune.toml").read_text())
     assert recipe["pretrained"] is True and recipe["freeze-backbone"] is True
     written = json.loads((out / "config.json").read_text())
