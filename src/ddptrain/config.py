@@ -144,6 +144,10 @@ HELP_GROUPS = {
         "nonfinite", "max_skipped",
     ),
     "what a run shows and records": ("progress", "tensorboard", "log_to", "profile"),
+    "fine-tuning": (
+        "freeze_backbone", "unfreeze_epoch", "layer_decay", "head_lr_scale", "drop_path",
+        "grad_checkpointing",
+    ),
 }  # fmt: skip
 
 
@@ -358,11 +362,25 @@ class ModelSettings:
         None, "NHWC memory format (default: on for convolutional models)", negatable=True
     )
     compile: bool | None = _flag(None, "torch.compile the model", negatable=True)
+    # 0: the model's own (torchvision builds convnext, swin, efficientnet and maxvit with some).
+    drop_path: float = _flag(
+        0.0,
+        "stochastic depth: the rate at which residual blocks are dropped in training, for "
+        "models that have it (0: the model's own)",
+        metavar="P",
+    )
+    grad_checkpointing: bool = _flag(
+        False,
+        "recompute each block's activations in backward instead of keeping them (less memory "
+        "for a larger model or batch, one more forward of each block)",
+    )
 
     def __post_init__(self) -> None:
         _check_values(self)
         if isinstance(self.pretrained, str) and not self.pretrained.strip():
             raise UserError("--pretrained FILE: the path is empty")
+        if not 0 <= self.drop_path < 1:
+            raise UserError(f"--drop-path must be in [0, 1), got {self.drop_path}")
 
     def check_arch(self) -> None:
         """Apart, and last in Config: torchvision's list takes seconds to import, which a
@@ -461,6 +479,26 @@ class OptimSettings:
         metavar="PATIENCE",
     )
 
+    freeze_backbone: bool = _flag(
+        False,
+        "train the classifier head only: the rest keeps its weights, gets no gradients and no "
+        "optimizer state, and its BatchNorm layers stay in eval mode",
+    )
+    unfreeze_epoch: int | None = _flag(
+        None,
+        "--freeze-backbone for the first N epochs only, then train the whole model",
+        metavar="N",
+    )
+    layer_decay: float | None = _flag(
+        None,
+        "each layer's LR is FACTOR times the LR of the layer above it, the top one's the LR "
+        "(layers: timm's grouping for timm models; stem, each block, head for torchvision's)",
+        metavar="FACTOR",
+    )
+    head_lr_scale: float = _flag(
+        1.0, "the classifier head's LR is the LR times this (a new head learns faster)", metavar="X"
+    )
+
     def __post_init__(self) -> None:
         _check_values(self)
         _at_least(
@@ -507,11 +545,21 @@ class OptimSettings:
                 "--max-skipped": self.max_skipped,
             }
         )
+        if self.layer_decay is not None:
+            _within({"--layer-decay": (self.layer_decay, 1e-12, 1)})
+        _positive({"--head-lr-scale": self.head_lr_scale})
+        if self.unfreeze_epoch is not None:
+            _at_least({"--unfreeze-epoch": (self.unfreeze_epoch, 1)})
         milestones = self.lr_milestones
         if any(m < 1 for m in milestones) or list(milestones) != sorted(set(milestones)):
             raise UserError(f"--lr-milestones must rise and be >= 1, got {list(milestones)}")
 
     def check_combinations(self) -> None:
+        if self.unfreeze_epoch is not None and not self.freeze_backbone:
+            raise UserError(
+                f"--unfreeze-epoch {self.unfreeze_epoch} needs --freeze-backbone: it says when "
+                "the frozen backbone starts to train"
+            )
         if self.opt == "sgd-nesterov" and self.momentum <= 0:
             raise UserError("--opt sgd-nesterov needs --momentum above 0")
         if self.lr_scheduler == "multistep" and not self.lr_milestones:
@@ -795,6 +843,13 @@ class Config:
             )
         self.data.check_combinations()
         self.optim.check_combinations()
+        if self.optim.unfreeze_epoch is not None and self.parallel.ddp_comm_hook == "powersgd":
+            # Unfreezing builds DDP anew for the parameters that now train, which would start
+            # PowerSGD's state over where a resumed run keeps it.
+            raise UserError(
+                "--unfreeze-epoch with --ddp-comm-hook powersgd: unfreezing starts the hook's "
+                "state over; use another hook, or --freeze-backbone alone"
+            )
 
     def check_batch_divides(self, world_size: int) -> None:
         batch, accum_steps = self.optim.batch_size, self.optim.accum_steps

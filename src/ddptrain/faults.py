@@ -73,9 +73,11 @@ class Faults:
 
     def install(self, model) -> None:
         """model: the unwrapped model. Its first parameter's gradient comes last in backward,
-        once DDP has all-reduced the other buckets."""
+        once DDP has all-reduced the other buckets (of a frozen backbone, the head's first)."""
         model.register_forward_pre_hook(self._on_forward)
-        next(model.parameters()).register_hook(self._on_first_gradient)
+        next(p for p in model.parameters() if p.requires_grad).register_hook(
+            self._on_first_gradient
+        )
 
     def entered(self, phase: str, global_step: int) -> None:
         self.phase, self.step = phase, global_step

@@ -24,12 +24,14 @@ from ddptrain.errors import Stopped, first_line, peer_lost, report
 from ddptrain.faults import Faults
 from ddptrain.model.build import build_model, load_pretrained
 from ddptrain.model.precision import DTYPES, Precision, run_precision
+from ddptrain.model.providers import provider
 from ddptrain.parallel import fsdp
 from ddptrain.parallel.parallelize import (
     builds_on_meta,
     checkpoint_parts,
     compile_model,
     is_sharded,
+    rewrapped,
     unwrap,
     will_shard,
     wrap,
@@ -52,6 +54,7 @@ from ddptrain.state.lock import unlock_out_dir
 from ddptrain.state.resume import check_continuable, check_trainable, roll_back
 from ddptrain.train import trainer
 from ddptrain.train.ema import build_ema
+from ddptrain.train.finetune import Freezing, head_names, lr_layers
 from ddptrain.train.loss import build_criterion
 from ddptrain.train.optim import build_optimizer, keep_given, rebased, settings
 from ddptrain.train.preempt import StopRequests
@@ -141,6 +144,16 @@ def _build(
     if config.model.pretrained and saved is None:
         _load_pretrained(model, config, loaders, env, reporter)
     parameters = sum(p.numel() for p in model.parameters())
+    # Named before wrapping: the LR group of each parameter, and the backbone frozen as the
+    # epoch the run starts in says (DDP is built for the parameters that train).
+    layers, freezing = _finetuning(config, model)
+    if freezing is not None:
+        freezing.enter(position.epoch)
+        if not config.model.pretrained and saved is None:
+            reporter.warn(
+                "--freeze-backbone without --pretrained: the frozen backbone keeps the random "
+                "weights it was built with; give --pretrained [FILE]"
+            )
     # Under fsdp the EMA averages into a twin of the model, sharded alike: its structure is
     # copied before sharding, as FSDP2 refuses to copy a sharded model.
     structure = (
@@ -153,6 +166,7 @@ def _build(
         amp_dtype=DTYPES[precision.amp],
         offload=config.parallel.fsdp_offload,
     )
+    example = None if config.checkpoint.evaluate else _example(config, precision, env.device)
     model = wrap(
         model,
         env,
@@ -161,11 +175,13 @@ def _build(
         **sharding,
         reshard_after_forward=config.parallel.reshard_after_forward,
         comm=config.parallel,
-        example=None if config.checkpoint.evaluate else _example(config, precision, env.device),
+        example=example,
         place=lambda built: precision.place(built, env.device),
     )
     steps_per_epoch = loaders.steps_per_epoch
-    optimizer, scheduler = build_optimizer(model, config.optim, steps_per_epoch)
+    optimizer, scheduler = build_optimizer(
+        model, config.optim, steps_per_epoch, layers, frozen_too=freezing is not None
+    )
     _warn_up_front(config, env, model, optimizer, steps_per_epoch, reporter)
     twin = None if structure is None else fsdp.shard_twin(structure, env, **sharding)
     ema = build_ema(unwrap(model), config.optim, env, steps_per_epoch, averaged=twin)
@@ -216,7 +232,26 @@ def _build(
         faults=faults,
         state=state,
         summary=summary,
+        freezing=freezing,
+        rewrap=lambda m: rewrapped(m, config.parallel, example, sharding["amp_dtype"]),
     )
+
+
+def _finetuning(config: Config, model: torch.nn.Module) -> tuple[dict | None, Freezing | None]:
+    """The LR group of each parameter (--layer-decay, --head-lr-scale) and the backbone's
+    freezing (--freeze-backbone), from what the model's provider says of it."""
+    source = provider(config.model.arch)
+    head = source.classifier(model)
+    layers = lr_layers(
+        source.layer_ids(model),
+        head_names(model, head),
+        config.optim.layer_decay,
+        config.optim.head_lr_scale,
+    )
+    freezing = None
+    if config.optim.freeze_backbone:
+        freezing = Freezing(model, head, config.optim.unfreeze_epoch)
+    return layers, freezing
 
 
 def _check_same_everywhere(
@@ -248,7 +283,10 @@ def _model(resolved: Resolved, loaders: Data, env: DistEnv) -> torch.nn.Module:
         config.data.image_size,
         config.model.pretrained,
         meta=builds_on_meta(env, config.parallel.strategy),
+        drop_path=config.model.drop_path,
     )
+    if config.model.grad_checkpointing:  # before fsdp, which subclasses the blocks again
+        provider(config.model.arch).set_grad_checkpointing(model)
     if saved is not None:
         check_compatible(saved, resume, config.model.arch, loaders.class_to_idx)
         check_fits(saved, resume, model)

@@ -30,7 +30,12 @@ class CropError(UserError):
 
 
 def build_model(
-    arch: str, num_classes: int, image_size: int, pretrained: bool | str, meta: bool = False
+    arch: str,
+    num_classes: int,
+    image_size: int,
+    pretrained: bool | str,
+    meta: bool = False,
+    drop_path: float = 0.0,
 ) -> nn.Module:
     """arch with a num_classes head, checked to run on image_size crops.
 
@@ -40,11 +45,13 @@ def build_model(
 
     meta: the structure only, on the meta device, for a rank that will receive rank 0's weights
     (parallelize.builds_on_meta); unchecked, as rank 0's check speaks for every rank. A model
-    that cannot be built there (RegNet) is built with weights.
+    that cannot be built there (RegNet) is built with weights. drop_path: --drop-path.
     """
     try:
         # published: the provider's own weights (pretrained=True; a str is a file of ours)
-        model = provider(arch).build(arch, num_classes, image_size, pretrained is True, meta)
+        model = provider(arch).build(
+            arch, num_classes, image_size, pretrained is True, meta, drop_path=drop_path
+        )
     except AssertionError as err:  # a ViT for crops its patches do not divide
         raise CropError(arch, image_size, first_line(err)) from None
     if next(model.parameters()).is_meta:

@@ -96,6 +96,27 @@ def builds_on_meta(env: DistEnv, strategy: str) -> bool:
     return will_shard(env, strategy) and not env.is_main
 
 
+def rewrapped(
+    model: nn.Module,
+    comm: ParallelSettings,
+    example: torch.Tensor | None,
+    amp_dtype: torch.dtype | None,
+) -> nn.Module:
+    """The wrapped model after some of its parameters began to require gradients
+    (--unfreeze-epoch): DDP's reducer covers only those that required them when it was built,
+    so DDP is built anew, laid out as `wrap` lays it (a resumed run's wrap builds the same). A
+    collective under DDP. fsdp and one process take the change as it comes."""
+    compiled = hasattr(model, "_orig_mod")
+    ddp = getattr(model, "_orig_mod", model)
+    if not isinstance(ddp, DistributedDataParallel):
+        return model
+    # The old reducer's hooks would go on reducing into its buckets in every backward.
+    ddp._remove_autograd_hooks()
+    ddp.module.zero_grad(set_to_none=True)  # views into the old reducer's buckets
+    fresh = _ddp(ddp.module, ddp.device_ids, comm, example, amp_dtype)
+    return compile_model(fresh) if compiled else fresh
+
+
 def _ddp(
     model: nn.Module,
     device_ids,

@@ -15,7 +15,7 @@ def start_summary(config, env, loaders, precision, parameters, steps_per_epoch, 
     strategy = config.parallel.strategy if env.distributed else "one process (nothing to shard)"
     train = loaders.train_sampler.num_samples if loaders.train_sampler else 0
     batch, accum_steps = config.optim.batch_size, config.optim.accum_steps
-    return {
+    summary = {
         "ddptrain": f"{__version__}, torch {torch.__version__}, torchvision "
         f"{torchvision.__version__}",
         "device": f"{env.device.type}, backend {_backend(env)}",
@@ -34,6 +34,28 @@ def start_summary(config, env, loaders, precision, parameters, steps_per_epoch, 
             f"resumed from {resume}" if resume else f"fresh, epoch {config.checkpoint.start_epoch}"
         ),
     }
+    tuning = _finetuning(config)
+    if tuning:
+        summary["fine-tuning"] = tuning
+    return summary
+
+
+def _finetuning(config) -> str:
+    """What the fine-tuning flags set, if any."""
+    optim, model = config.optim, config.model
+    parts = []
+    if optim.freeze_backbone:
+        until = optim.unfreeze_epoch
+        parts.append("head only" + (f" for {until} epoch(s), then all" if until else ""))
+    if optim.layer_decay is not None:
+        parts.append(f"layer decay {optim.layer_decay:g}")
+    if optim.head_lr_scale != 1:
+        parts.append(f"head LR x{optim.head_lr_scale:g}")
+    if model.drop_path:
+        parts.append(f"drop path {model.drop_path:g}")
+    if model.grad_checkpointing:
+        parts.append("activation checkpointing")
+    return ", ".join(parts)
 
 
 def _backend(env: DistEnv) -> str:

@@ -194,9 +194,9 @@ def check_continuable(saved: dict, config: Config, path: Path) -> None:
     schedule's drop would come an epoch late, a cosine rise again), and the weight decay of
     norms given or dropped: the optimizer's parameter groups would differ from the saved ones,
     which load into them without a word, and train the weights at another LR than the
-    schedule's."""
+    schedule's. --layer-decay and --head-lr-scale make the groups too."""
     was, optim = saved.get("config") or {}, config.optim  # the names: optim's settings
-    names = ["opt", "lr_scheduler", "norm_weight_decay"]
+    names = ["opt", "lr_scheduler", "norm_weight_decay", "layer_decay", "head_lr_scale"]
     names += SCHEDULE_SHAPE.get(optim.lr_scheduler, ())
     warmup = optim.lr_warmup_epochs > 0 or was.get("lr_warmup_epochs", 0) > 0
     if warmup:

@@ -4,15 +4,18 @@ schedule (train/schedule.py)."""
 from torch import nn, optim
 
 from ddptrain.config import OptimSettings
+from ddptrain.parallel.parallelize import unwrap
 from ddptrain.train.schedule import build_scheduler, fast_forward
 
 __all__ = [
     "base_lr",
     "build_optimizer",
     "fast_forward",
+    "group_lrs",
     "keep_given",
     "param_groups",
     "rebased",
+    "schedule_lr",
     "settings",
 ]
 
@@ -35,35 +38,75 @@ def base_lr(config: OptimSettings) -> float:
     return config.lr
 
 
-def param_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float | None):
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    norm_weight_decay: float | None,
+    layers: dict[str, tuple[str, float]] | None = None,
+    lr: float = 0.0,
+    frozen_too: bool = False,
+):
     """The model's trainable parameters, with weight decay: one group, or with
-    norm_weight_decay, a second for the parameters of norm layers and all biases."""
-    if norm_weight_decay is None:
-        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    decay, no_decay, seen = [], [], set()
-    for module in model.modules():
+    norm_weight_decay, a second for the parameters of norm layers and all biases. With
+    `layers` (name -> LR group and scale: train/finetune.lr_layers), each of those is split by
+    LR group, the group's LR `lr` times its scale (`lr_scale`, which the records read).
+
+    frozen_too: the frozen parameters as well (--freeze-backbone): --unfreeze-epoch trains
+    them later, and until then the optimizer skips them, as any parameter without a gradient."""
+    groups: dict[tuple[str, bool], dict] = {}
+    seen = set()
+    for module_name, module in unwrap(model).named_modules():
         for name, p in module.named_parameters(recurse=False):
-            if not p.requires_grad or id(p) in seen:
+            if id(p) in seen or not (p.requires_grad or frozen_too):
                 continue
             seen.add(id(p))
             norm = isinstance(module, NORM_LAYERS) or name == "bias"
-            (no_decay if norm else decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": norm_weight_decay},
-    ]
-    return [g for g in groups if g["params"]]
+            decays = norm_weight_decay is None or not norm
+            label, scale = ("all", 1.0)
+            if layers is not None:
+                label, scale = layers[f"{module_name}.{name}" if module_name else name]
+            if (label, decays) not in groups:
+                group = {"params": []}
+                if norm_weight_decay is not None:
+                    group["weight_decay"] = weight_decay if decays else norm_weight_decay
+                if layers is not None:
+                    group.update(lr=lr * scale, lr_scale=scale, layer=label)
+                groups[label, decays] = group
+            groups[label, decays]["params"].append(p)
+    # By layer from the input, each with its decayed parameters first.
+    labels = list(dict.fromkeys(label for label, _ in groups))
+    order = sorted(groups, key=lambda key: (labels.index(key[0]), not key[1]))
+    return [groups[key] for key in order]
+
+
+def schedule_lr(optimizer: optim.Optimizer) -> float:
+    """The LR the schedule gives now, which each group's `lr_scale` multiplies (one without
+    layers has none: its LR, bit for bit)."""
+    group = optimizer.param_groups[0]
+    return group["lr"] / group.get("lr_scale", 1.0)
+
+
+def group_lrs(optimizer: optim.Optimizer, lr: float) -> dict[str, float]:
+    """Each LR group's LR for a schedule LR `lr`, by its layer (for the records); none without
+    --layer-decay or --head-lr-scale."""
+    return {g["layer"]: lr * g["lr_scale"] for g in optimizer.param_groups if "layer" in g}
 
 
 def build_optimizer(
-    model: nn.Module, config: OptimSettings, steps_per_epoch: int = 1
+    model: nn.Module,
+    config: OptimSettings,
+    steps_per_epoch: int = 1,
+    layers: dict[str, tuple[str, float]] | None = None,
+    frozen_too: bool = False,
 ) -> tuple[optim.Optimizer, optim.lr_scheduler.LRScheduler]:
     """The optimizer over model's parameters (the wrapped model's are the same tensors) and
     its schedule, to be stepped after every optimizer step. steps_per_epoch converts the
     schedule's epochs to steps; 1 (the default) serves a trainer that steps it once per epoch,
-    with the LR then changing at epoch boundaries only."""
-    groups = param_groups(model, config.weight_decay, config.norm_weight_decay)
+    with the LR then changing at epoch boundaries only. layers, frozen_too: see param_groups."""
     lr = base_lr(config)
+    groups = param_groups(
+        model, config.weight_decay, config.norm_weight_decay, layers, lr, frozen_too
+    )
     if config.opt == "adamw":
         optimizer = optim.AdamW(groups, lr=lr, weight_decay=config.weight_decay)
     else:

@@ -30,7 +30,9 @@ from ddptrain.report.reporter import Reporter
 from ddptrain.state.checkpointer import Checkpointer, TrainState
 from ddptrain.state.files import numbered
 from ddptrain.train.ema import ModelEma
+from ddptrain.train.finetune import Freezing
 from ddptrain.train.loss import Criterion
+from ddptrain.train.optim import group_lrs, schedule_lr
 from ddptrain.train.preempt import StopRequests
 from ddptrain.train.step import Step
 
@@ -97,6 +99,10 @@ class Run:
     faults: Faults | None = None  # the test suite's, when it asks for some (faults.py)
     state: TrainState | None = None  # where it starts
     summary: dict | None = None  # what summary.csv records of it
+    freezing: Freezing | None = None  # --freeze-backbone
+    # The model wrapped anew once parameters start to train (--unfreeze-epoch): DDP knows only
+    # those that required gradients when it was built.
+    rewrap: Callable[[nn.Module], nn.Module] | None = None
 
     def step(self) -> Step:
         return Step(
@@ -110,6 +116,18 @@ class Run:
             skip_nonfinite=self.config.optim.nonfinite == "skip",
             mark=None if self.phases is None else self.phases.within_step,
         )
+
+    def enter_epoch(self, epoch: int) -> None:
+        """The backbone frozen or not, as --freeze-backbone and --unfreeze-epoch say for
+        `epoch`: a resumed run's state follows from the epoch alone."""
+        if self.freezing is not None and self.freezing.enter(epoch) and self.rewrap is not None:
+            self.model = self.rewrap(self.model)
+
+    def train_mode(self) -> None:
+        if self.freezing is None:
+            self.model.train()
+        else:
+            self.freezing.train(self.model)
 
     def mark(self, phase: str, global_step: int) -> None:
         if self.phases is not None:
@@ -159,7 +177,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
     the mixed target's class of largest weight: the label that covers more of the image."""
     config, env, reporter = run.config, run.env, run.reporter
     model, step_once = run.model, run.step()
-    model.train()
+    run.train_mode()
     sampler = run.data.train_sampler
     first = state.epoch_step
     sampler.set_epoch(epoch, first)
@@ -215,7 +233,7 @@ def train_epoch(run: Run, epoch: int, state: TrainState) -> dict[str, float]:
             if first_bad:  # agreed at the next boundary, with the stop signals
                 run.stop.report_nonfinite(int(first_bad))
             rate = local["samples"] * env.world_size / (now - start)
-            lr = run.optimizer.param_groups[0]["lr"]
+            lr = schedule_lr(run.optimizer)
             values = {**local, "samples_per_sec": rate, "data_wait": waiting / (now - start)}
             reporter.print_step(step, state.global_step, {**values, "lr": lr})
         if run.checkpointer is not None and run.checkpointer.due(state, steps):
@@ -319,8 +337,9 @@ def fit(run: Run, state: TrainState) -> TrainState:
         )
         return state
     for epoch in range(state.epoch, config.optim.epochs):
+        run.enter_epoch(epoch)
         if state.epoch_step == 0 or state.epoch_lr is None:  # else resumed mid-epoch
-            state.epoch_lr = run.optimizer.param_groups[0]["lr"]
+            state.epoch_lr = schedule_lr(run.optimizer)
         train = train_epoch(run, epoch, state)
         val, val_ema, per_class = _validate(run, state.global_step)
         lr, state.epoch_lr = state.epoch_lr, None
@@ -338,8 +357,11 @@ def fit(run: Run, state: TrainState) -> TrainState:
         ema = [] if val_ema is None else [{"split": "val_ema", **at, **val_ema}]
         stopping = _stale(config, state) and state.epoch < config.optim.epochs
         early_stop = [_early_stop_record(config, state, at)] if stopping else []
+        # The schedule's LR, and with LR groups (--layer-decay, --head-lr-scale) each one's, as
+        # numbers of their own (lr_layer_0, ..., lr_head): columns and curves in every record.
+        lrs = {"lr": lr, **{f"lr_{name}": v for name, v in group_lrs(run.optimizer, lr).items()}}
         reporter.record(
-            {"split": "train", **at, "lr": lr, **train},
+            {"split": "train", **at, **lrs, **train},
             {"split": "val", **at, **val},
             *ema,
             *early_stop,
