@@ -182,7 +182,7 @@ def test_config_json_feeds_back_without_resolved_or_invocation_settings(tmp_path
 
 
 def test_shipped_recipes_parse_and_classic_is_the_defaults():
-    assert recipes() == ["classic", "resnet50-torchvision", "small-images"]
+    assert recipes() == ["classic", "finetune", "resnet50-torchvision", "small-images"]
     _, (classic, _) = parse(["train", "/data", "--config", "recipe:classic"])
     assert classic == Config(data="/data")
     _, (r50, _) = parse(["train", "/data", "--config", "recipe:resnet50-torchvision"])
