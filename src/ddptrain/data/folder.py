@@ -8,16 +8,16 @@ import stat
 from pathlib import Path
 
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
+from torchcodec.decoders import decode_image
 from torchvision import datasets
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
-from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as F
 
 from ddptrain.config import MAX_IMAGE_PIXELS
 from ddptrain.errors import UserError
 
-# --max-image-pixels is checked on every file's header before any decoder runs (_check_size).
+# --max-image-pixels is checked on every file's header before any decoder runs (_check_header).
 # PIL's own check would cover only the files PIL decodes, and refuse at twice its limit
 # whatever the flag says.
 Image.MAX_IMAGE_PIXELS = None
@@ -32,11 +32,12 @@ def load_rgb(path: str, max_pixels: int | None = MAX_IMAGE_PIXELS) -> torch.Tens
     """An image file as a uint8 RGB tensor (3, H, W); names the file when it cannot be decoded,
     or when its header declares more than max_pixels pixels (a decompression bomb).
 
-    torchvision.io decodes JPEG, PNG and WebP straight into a tensor (the same libjpeg-turbo
-    pixels as PIL, without PIL's image object and conversions); GIF, other formats (BMP, TIFF,
-    PPM) and files it refuses go through PIL, whose error names what is wrong. GIF through PIL:
-    torchvision.io decodes every frame of an animated one, which the size check (of one frame)
-    would not bound.
+    TorchCodec decodes JPEG, PNG and WebP straight into a tensor (the same libjpeg-turbo, libpng
+    and libwebp pixels as PIL, without PIL's image object and conversions), and turns a photo
+    upright by its EXIF orientation; GIF, animated WebP, other formats (BMP, TIFF, PPM) and
+    files it refuses go through PIL, upright alike, whose error names what is wrong. Animated
+    files through PIL: TorchCodec decodes every frame, which the size check (of one frame) would
+    not bound.
     """
     try:
         return _read_rgb(path, max_pixels)
@@ -97,48 +98,49 @@ def _read(path: str) -> bytes:
 
 
 def _decode(encoded: bytes, max_pixels: int | None) -> torch.Tensor:
-    _check_size(encoded, max_pixels)
-    if encoded.startswith((b"GIF87a", b"GIF89a")):
+    animated = _check_header(encoded, max_pixels)
+    if animated or encoded.startswith((b"GIF87a", b"GIF89a")):
         return _decode_with_pil(encoded)  # its first frame only
     try:
-        image = decode_image(
-            torch.frombuffer(bytearray(encoded), dtype=torch.uint8), mode=ImageReadMode.RGB
-        )
-    except (RuntimeError, ValueError):  # a format torchvision does not read, or a bad file
+        # "auto": a 16-bit PNG's values, brought to 8 bits below as torchvision.io's were
+        image = decode_image(encoded, mode="RGB", output_dtype="auto")
+    except (RuntimeError, ValueError):  # a format TorchCodec does not read, or a bad file
         return _decode_with_pil(encoded)
-    if image.dtype != torch.uint8:  # 16-bit PNG
+    if image.dtype != torch.uint8:
         image = F.to_dtype(image, torch.uint8, scale=True)
     return image
 
 
-def _check_size(encoded: bytes, max_pixels: int | None) -> None:
-    """Refuses a decompression bomb by what its header declares, before a decoder allocates
-    the pixels. PIL reads just the header here, a small fraction of a decode's cost."""
-    if max_pixels is None or not encoded:
-        return
+def _check_header(encoded: bytes, max_pixels: int | None) -> bool:
+    """Whether the file is animated; refuses a decompression bomb by what its header declares,
+    before a decoder allocates the pixels. PIL reads just the header here, a small fraction of
+    a decode's cost."""
     try:
         with Image.open(io.BytesIO(encoded)) as image:
             width, height = image.size
+            animated = image.format == "WEBP" and getattr(image, "is_animated", False)
     except Exception:  # no header PIL knows (its errors vary): the decoders will say why
-        return
-    if width * height > max_pixels:
+        return False
+    if max_pixels is not None and width * height > max_pixels:
         raise _Unreadable(
             f"its header declares {width} x {height} = {width * height:,} pixels, more than "
             f"--max-image-pixels {max_pixels:,} (a decompression bomb, or raise the limit)"
         )
+    return animated
 
 
 def _decode_with_pil(encoded: bytes) -> torch.Tensor:
     try:
         with Image.open(io.BytesIO(encoded)) as image:
-            return F.pil_to_tensor(image.convert("RGB"))
+            upright = ImageOps.exif_transpose(image)  # as TorchCodec turns a JPEG
+            return F.pil_to_tensor(upright.convert("RGB"))
     except UnidentifiedImageError:  # whose message shows a BytesIO object
-        raise _Unreadable("not an image in a format torchvision or PIL reads") from None
+        raise _Unreadable("not an image in a format TorchCodec or PIL reads") from None
     except (OSError, SyntaxError, ValueError) as err:
         raise _Unreadable(str(err)) from None
 
 
-# torchvision's list, and GIF, which torchvision.io decodes but the list leaves out
+# torchvision's list, and GIF, which the decoders read but the list leaves out
 EXTENSIONS = (*IMG_EXTENSIONS, ".gif")
 
 
