@@ -20,6 +20,7 @@ import torch
 
 from ddptrain.config import Config, inert_flags
 from ddptrain.config_layers import Layers, check_batch_divides_early, resumed, settled
+from ddptrain.data import decode
 from ddptrain.data.check import images_to_leave_out
 from ddptrain.data.sources import Source, open_source
 from ddptrain.distributed.collectives import agree, from_rank0
@@ -120,6 +121,7 @@ def _resolve_here(
         check_offload_clipping(config, env)  # with the checkpoint's settings too
     config = settled(config)
     config.check_batch_divides(env.world_size)  # -b is the checkpoint's unless given
+    decoding = decode.check_device(config.data.decode_device, env)
     if config.report.tensorboard and not config.checkpoint.evaluate:  # eval writes no events
         require_tensorboard()  # on every rank, so that every rank stops when it is missing
     flags = layers.on_command_line
@@ -137,6 +139,8 @@ def _resolve_here(
         notes = [f"--resume auto: no checkpoint in {out_dir}, starting fresh"]
     else:
         notes = []
+    if decoding:
+        notes.append(decoding)
     return Resolved(
         config=config,
         out_dir=out_dir,
