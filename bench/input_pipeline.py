@@ -14,7 +14,8 @@
 
 Targets: packed >= folder; packed 256 >= 3x classic per core; end to end >= 0.95 of the bound.
 
-    python -m bench.input_pipeline [--quick] [--repeats N] [--tries N] [--per-core-only]
+    python -m bench.input_pipeline [--quick] [--repeats N] [--tries N] [--amp bf16|none]
+                                   [--per-core-only]
 """
 
 import argparse
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke check")
     parser.add_argument("--repeats", type=int, help="runs of each contender (default: the scale's)")
     parser.add_argument("--tries", type=int, help="per run while other work disturbs it")
+    parser.add_argument("--amp", choices=("bf16", "none"), help="end to end (default: bf16 "
+                        "where the CPU has bf16 units, else none)")  # fmt: skip
     parser.add_argument("--per-core-only", action="store_true", help="leave out end to end")
     args = parser.parse_args(argv)
     s = common.scale(args.quick)
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     sets = {"folder": root, "packed": packed(root, None), f"packed {shrunk}": packed(root, shrunk)}
 
     torch.set_num_threads(1)  # the per-core contenders run in this process
-    amp = common.native_amp()
+    amp = args.amp or common.native_amp()
     epochs: dict[str, list[dict]] = {"e2e": [], "bound": []}
     contenders = {"classic (PIL), per core": lambda: pipeline.images_per_sec(
         pipeline.classic_loader(root, s))}  # fmt: skip
