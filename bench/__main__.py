@@ -2,14 +2,18 @@
 
 import argparse
 
-from bench import common, fsdp, pipeline, scaling, train
+from bench import common, fsdp, input_pipeline, pipeline, scaling, train
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke check")
     flags = ["--quick"] if parser.parse_args().quick else []
-    ratios = [r for bench in (pipeline, train, scaling, fsdp) for r in bench.main(flags)["ratios"]]
+    ratios = [
+        r
+        for bench in (pipeline, input_pipeline, train, scaling, fsdp)
+        for r in bench.main(flags)["ratios"]
+    ]
     print("\nSummary")
     for r in ratios:
         verdict = "reference" if r["met"] is None else ("met" if r["met"] else "NOT met")

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Training throughput on CUDA GPUs, for when one is at hand (the tests never need it): resnet50
 # with --amp bf16 --channels-last, on synthetic data (--dummy: FakeData through the same uint8
-# path), on a generated JPEG ImageFolder, and from batches preloaded in memory (the compute
-# bound); then, under torchrun on the same JPEG set, --strategy fsdp and, with 2 or more GPUs, 2
+# path), on a generated JPEG ImageFolder, decoded by the loader workers and with
+# --decode-device cuda (nvJPEG in the training process, at most 8 workers: its ratio to --dummy,
+# and the training process's CPU time spent decoding), and from batches preloaded in memory (the
+# compute bound); then, under torchrun on the same JPEG set, --strategy fsdp and, with 2 or more GPUs, 2
 # ranks with each --ddp-comm-hook and fsdp with and without --fsdp-offload (with one GPU: fsdp
 # --fsdp-offload on 2 ranks sharing it over gloo). Prints samples/s for each, and the total
 # time. On one H200 (torch 2.11): 320 s, the one-GPU branch included (it ended at its first
@@ -52,7 +54,9 @@ if len(rows) < 2:
     sys.exit("dummy: fewer than two progress lines")
 (s1, r1), (s2, r2) = rows[-2:]
 b = int(sys.argv[2])
-print(f"RESULT dummy: {b * (s2 - s1) / (b * s2 / r2 - b * s1 / r1):.0f} samples/s (steps {s1}-{s2})")
+rate = b * (s2 - s1) / (b * s2 / r2 - b * s1 / r1)
+print(f"RESULT dummy: {rate:.0f} samples/s (steps {s1}-{s2})")
+open(sys.argv[1] + ".rate", "w").write(str(rate))
 PY
 
 # 2. A generated JPEG ImageFolder (500x375, ImageNet-like density): 3 epochs, the last counts.
@@ -64,6 +68,24 @@ s = common.Scale(train_per_class=1280, val_per_class=32)
 print(common.jpeg_folder(s, processes=os.cpu_count()))")
 "$PY" -m ddptrain train "$DATA" "${FLAGS[@]}" --epochs 3 -p 5 --out-dir "$OUT/jpeg"
 result jpeg "$OUT/jpeg/metrics.jsonl"
+
+# 2'. The same set with --decode-device cuda and at most 8 workers (they only read bytes): the
+# run's start line says which library decoded; the ratio is to --dummy's rate (the goal: 0.9).
+# Then the loader alone for an epoch (bench.gpu_decode): the CPU time the training process
+# spent decoding and transforming, per 1000 images.
+GPU_WORKERS=$(( WORKERS < 8 ? WORKERS : 8 ))
+echo "== $ARCH, generated JPEG set, --decode-device cuda (${GPU_WORKERS} workers)"
+"$PY" -m ddptrain train "$DATA" "${COMMON[@]}" -b "$BATCH" -j "$GPU_WORKERS" --channels-last \
+    --decode-device cuda --epochs 3 -p 5 --out-dir "$OUT/gpu-decode" 2>&1 | tee "$OUT/gpu-decode.log"
+grep -o "decode-device cuda: .*" "$OUT/gpu-decode.log" | head -n 1 | sed 's/^/RESULT decoder: /' || true
+result gpu-decode "$OUT/gpu-decode/metrics.jsonl"
+"$PY" -c "
+import json, sys
+train = [r for r in map(json.loads, open(sys.argv[1])) if r['split'] == 'train']
+ratio = train[-1]['samples_per_sec'] / float(open(sys.argv[2]).read())
+print(f'RESULT gpu-decode / dummy: {ratio:.2f} (goal >= 0.9: {\"met\" if ratio >= 0.9 else \"NOT met\"})')
+" "$OUT/gpu-decode/metrics.jsonl" "$OUT/dummy.log.rate"
+"$PY" -m bench.gpu_decode "$DATA" -b "$BATCH" -j "$GPU_WORKERS" | tail -n 1 | sed 's/^/RESULT gpu-decode loader alone: /'
 
 # 3. The same loop fed from memory: the compute bound of the JPEG run.
 echo "== $ARCH, compute bound (batches preloaded)"

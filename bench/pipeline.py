@@ -2,7 +2,7 @@
 generated JPEG set through each train pipeline, timed in process CPU time.
 
   classic:   torchvision ImageFolder (PIL) -> RandomResizedCrop, flip, ToTensor, Normalize
-  ddptrain:  its train loader (torchvision.io decode -> v2 crop and flip on uint8), which
+  ddptrain:  its train loader (TorchCodec decode -> v2 crop and flip on uint8), which
              yields uint8 batches; normalisation happens on the training device
   ddptrain + normalise: the same, then Precision.inputs on the CPU (channels_last float32),
              for a like-for-like end product

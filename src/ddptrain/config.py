@@ -39,6 +39,7 @@ STRATEGIES = ("ddp", "fsdp")
 MEMORY_SETTINGS = ("opt", "momentum", "model_ema", "accum_steps", "reshard_after_forward")
 CHECKPOINT_FORMATS = ("full", "sharded")
 BAD_IMAGES = ("error", "skip")
+DECODE_DEVICES = ("cpu", "cuda")
 # PIL's own default limit (1024 * 1024 * 1024 // 4 // 3): about a 9,500 px square.
 MAX_IMAGE_PIXELS = 89_478_485
 # `ddptrain pack`: shards of about 256 MB (WebDataset's advice: 100 MB to 1 GB); the JPEG
@@ -121,6 +122,7 @@ HELP_GROUPS = {
     ),
     "ddptrain's own": (
         "out_dir", "image_size", "image_column", "label_column", "cache_dir", "cache_size",
+        "decode_device",
         "nproc_per_node", "device",
         "local_rank", "dist_timeout", "checkpoint_every", "keep_last", "checkpoint_format", "amp",
         "channels_last", "compile", "strategy", "fsdp_offload", "reshard_after_forward",
@@ -222,6 +224,13 @@ class DataSettings:
         invocation=True,
     )
     workers: int = _flag(4, "data loading workers per rank", "-j", "--workers", invocation=True)
+    decode_device: str = _flag(
+        "cpu",
+        "where JPEGs are decoded and transformed: in the loader workers (cpu), or in the "
+        "training process on the GPU (cuda: nvJPEG; the workers only read bytes)",
+        choices=DECODE_DEVICES,
+        invocation=True,
+    )
     dummy: bool = _flag(False, "use random fake data (throughput tests)")
     image_size: int | None = _flag(
         None, "train crop in px (default 224; 32 on the built-in dataset)", metavar="PX"

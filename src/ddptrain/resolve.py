@@ -21,6 +21,7 @@ import torch
 
 from ddptrain.config import Config, inert_flags
 from ddptrain.config_layers import Layers, check_batch_divides_early, resumed, settled
+from ddptrain.data import decode
 from ddptrain.data.check import images_to_leave_out
 from ddptrain.data.sources import Source, open_source
 from ddptrain.distributed.collectives import agree, from_rank0
@@ -125,6 +126,7 @@ def _resolve_here(
     if saved is None:  # a resumed run has them in its checkpoint's settings
         config = published_preprocessing(config, layers.given)
     config.check_batch_divides(env.world_size)  # -b is the checkpoint's unless given
+    decoding = decode.check_device(config.data.decode_device, env)
     if config.report.tensorboard and not config.checkpoint.evaluate:  # eval writes no events
         require_tensorboard()  # on every rank, so that every rank stops when it is missing
     if not config.checkpoint.evaluate:  # eval logs to no tracker
@@ -145,6 +147,8 @@ def _resolve_here(
         notes = [f"--resume auto: no checkpoint in {out_dir}, starting fresh"]
     else:
         notes = []
+    if decoding:
+        notes.append(decoding)
     return Resolved(
         config=config,
         out_dir=out_dir,

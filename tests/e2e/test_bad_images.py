@@ -40,7 +40,7 @@ def test_check_lists_every_bad_image_and_exits_2(bad_data, tiny_data):
     result = ddptrain("check", bad_data, "-j", 2)
     assert result.returncode == 2, result.stderr
     assert result.stdout.splitlines() == [
-        f"{bad_data / CORRUPT}: not an image in a format torchvision or PIL reads",
+        f"{bad_data / CORRUPT}: not an image in a format TorchCodec or PIL reads",
         f"{bad_data / TRUNCATED}: image file is truncated",
     ]
     assert error_lines(result) == [

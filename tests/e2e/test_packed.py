@@ -84,7 +84,7 @@ def test_check_names_each_bad_image_with_its_shard(bad_packed):
     assert result.returncode == 2, result.stderr
     source = source_at(bad_packed)
     assert result.stdout.splitlines() == [
-        f"{source.shown(CORRUPT)}: not an image in a format torchvision or PIL reads",
+        f"{source.shown(CORRUPT)}: not an image in a format TorchCodec or PIL reads",
         f"{source.shown(TRUNCATED)}: image file is truncated",
     ]
     assert f"{bad_packed}/train/0000" in source.shown(CORRUPT)

@@ -44,7 +44,7 @@ def test_each_kind_of_bad_image_has_its_reason(tmp_path):
     truncated.write_bytes(jpeg_bytes((64, 64))[:400])
     bomb.write_bytes(jpeg_bytes((100, 60)))
     assert folder.image_problem(str(good)) is None
-    assert folder.image_problem(str(corrupt)) == "not an image in a format torchvision or PIL reads"
+    assert folder.image_problem(str(corrupt)) == "not an image in a format TorchCodec or PIL reads"
     assert folder.image_problem(str(truncated)) is not None
     assert folder.image_problem(str(bomb), max_pixels=5999) == (
         "its header declares 100 x 60 = 6,000 pixels, more than --max-image-pixels 5,999 "
@@ -69,7 +69,7 @@ def test_the_bad_list_is_the_same_with_any_number_of_workers(bad_data):
     files = source.names()
     assert len(files) == 39 and files[0] == "train/arrow/00000.png" and files[-1].startswith("val/")
     expected = [
-        ("train/bar/00003.png", "not an image in a format torchvision or PIL reads"),
+        ("train/bar/00003.png", "not an image in a format TorchCodec or PIL reads"),
         ("val/circle/00001.png", "image file is truncated"),
     ]
     for workers in (0, 2):
@@ -95,7 +95,7 @@ def test_check_lists_every_bad_file_then_fails_in_one_line(bad_data, capsys):
         check.check_command(str(bad_data), workers=0, max_image_pixels=10**8, say=say)
     listed = capsys.readouterr().out.splitlines()
     assert listed == [
-        f"{bad_data}/train/bar/00003.png: not an image in a format torchvision or PIL reads",
+        f"{bad_data}/train/bar/00003.png: not an image in a format TorchCodec or PIL reads",
         f"{bad_data}/val/circle/00001.png: image file is truncated",
     ]
     assert str(raised.value) == (
@@ -139,7 +139,7 @@ def test_the_check_says_its_lines_through_the_caller_and_prints_nothing_itself(b
     with pytest.raises(UserError, match="2 of 39 images"):
         check.check_command(str(bad_data), workers=0, max_image_pixels=10**8, say=said.append)
     assert said == [
-        f"{bad_data}/train/bar/00003.png: not an image in a format torchvision or PIL reads",
+        f"{bad_data}/train/bar/00003.png: not an image in a format TorchCodec or PIL reads",
         f"{bad_data}/val/circle/00001.png: image file is truncated",
     ]
     with pytest.raises(UserError, match="2 of 39 images"):

@@ -1,4 +1,4 @@
-"""The uint8 pipeline (torchvision.io decode, v2 on uint8, normalise on the device) keeps the
+"""The uint8 pipeline (TorchCodec decode, v2 on uint8, normalise on the device) keeps the
 semantics of the PIL + ToTensor + Normalize pipeline it replaces."""
 
 import shutil
@@ -117,7 +117,7 @@ def test_16_bit_png_and_gif_frames(tmp_path, monkeypatch):
     frames = [Image.new("RGB", (5, 4), (v, v, v)) for v in (10, 200)]
     gif = tmp_path / "anim.gif"
     frames[0].save(gif, save_all=True, append_images=frames[1:])
-    # the first frame alone is decoded: torchvision.io's decoder would make every frame, more
+    # the first frame alone is decoded: TorchCodec's decoder would make every frame, more
     # pixels than the size check (of one frame) bounds
     monkeypatch.setattr(folder, "decode_image", lambda *a, **k: pytest.fail("every frame"))
     assert torch.equal(load_rgb(str(gif)), torch.full((3, 4, 5), 10, dtype=torch.uint8))

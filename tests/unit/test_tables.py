@@ -167,7 +167,7 @@ def bad_rows(tiny_data, tmp_path, monkeypatch):
 
 REASONS = {
     2: "no image (null in column 'image')",
-    5: "not an image in a format torchvision or PIL reads",
+    5: "not an image in a format TorchCodec or PIL reads",
     7: "no image bytes, only the path 'elsewhere.png': build the Image column from bytes, so "
     "that the table holds the images",
 }

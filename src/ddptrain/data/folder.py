@@ -6,18 +6,23 @@ import io
 import os
 import stat
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from torchvision import datasets
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
-from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as F
 
 from ddptrain.config import MAX_IMAGE_PIXELS
 from ddptrain.errors import UserError
 
-# --max-image-pixels is checked on every file's header before any decoder runs (_check_size).
+try:  # a GPU machine's own torch may have no TorchCodec built for it: PIL decodes then
+    from torchcodec.decoders import decode_image
+except (ImportError, OSError, RuntimeError):
+    decode_image = None
+
+# --max-image-pixels is checked on every file's header before any decoder runs (_check_header).
 # PIL's own check would cover only the files PIL decodes, and refuse at twice its limit
 # whatever the flag says.
 Image.MAX_IMAGE_PIXELS = None
@@ -28,29 +33,43 @@ class _Unreadable(Exception):
     DataLoader worker's pipe only UserError keeps its type."""
 
 
-def load_rgb(path: str, max_pixels: int | None = MAX_IMAGE_PIXELS) -> torch.Tensor:
+class Jpeg(NamedTuple):
+    """A JPEG left encoded for the training process to decode on its device
+    (--decode-device cuda, data/decode.py), with the augmentation seed of its sample."""
+
+    data: bytes
+    name: str  # in messages, as load_rgb and decode_rgb name it
+    seed: int = 0
+
+
+def load_rgb(
+    path: str, max_pixels: int | None = MAX_IMAGE_PIXELS, jpeg_later: bool = False
+) -> torch.Tensor | Jpeg:
     """An image file as a uint8 RGB tensor (3, H, W); names the file when it cannot be decoded,
     or when its header declares more than max_pixels pixels (a decompression bomb).
+    `jpeg_later`: a JPEG that needs no more than decoding to RGB (no EXIF turn, no CMYK) comes
+    back as a Jpeg, its header checked.
 
-    torchvision.io decodes JPEG, PNG and WebP straight into a tensor (the same libjpeg-turbo
-    pixels as PIL, without PIL's image object and conversions); GIF, other formats (BMP, TIFF,
-    PPM) and files it refuses go through PIL, whose error names what is wrong. GIF through PIL:
-    torchvision.io decodes every frame of an animated one, which the size check (of one frame)
-    would not bound.
+    TorchCodec decodes JPEG, PNG and WebP straight into a tensor (the same libjpeg-turbo, libpng
+    and libwebp pixels as PIL, without PIL's image object and conversions), and turns a photo
+    upright by its EXIF orientation; GIF, animated WebP, other formats (BMP, TIFF, PPM) and
+    files it refuses go through PIL, upright alike, whose error names what is wrong. Animated
+    files through PIL: TorchCodec decodes every frame, which the size check (of one frame) would
+    not bound.
     """
     try:
-        return _read_rgb(path, max_pixels)
+        return _decode(_read(path), max_pixels, path if jpeg_later else None)
     except _Unreadable as err:
         raise _cannot_read(path, err) from None
 
 
 def decode_rgb(
-    encoded: bytes, name: str, max_pixels: int | None = MAX_IMAGE_PIXELS
-) -> torch.Tensor:
+    encoded: bytes, name: str, max_pixels: int | None = MAX_IMAGE_PIXELS, jpeg_later: bool = False
+) -> torch.Tensor | Jpeg:
     """Encoded image bytes (a table's cell) as load_rgb decodes a file's, with the same size
     check; `name` says which image in messages."""
     try:
-        return _decode(encoded, max_pixels)
+        return _decode(encoded, max_pixels, name if jpeg_later else None)
     except _Unreadable as err:
         raise _cannot_read(name, err) from None
 
@@ -96,49 +115,61 @@ def _read(path: str) -> bytes:
         raise _Unreadable(err.strerror) from None
 
 
-def _decode(encoded: bytes, max_pixels: int | None) -> torch.Tensor:
-    _check_size(encoded, max_pixels)
-    if encoded.startswith((b"GIF87a", b"GIF89a")):
-        return _decode_with_pil(encoded)  # its first frame only
+def _decode(
+    encoded: bytes, max_pixels: int | None, later_as: str | None = None
+) -> torch.Tensor | Jpeg:
+    """later_as: a plain JPEG comes back encoded, as a Jpeg of this name."""
+    animated, plain_jpeg = _check_header(encoded, max_pixels)
+    if later_as is not None and plain_jpeg:
+        return Jpeg(encoded, later_as)
+    if animated or encoded.startswith((b"GIF87a", b"GIF89a")) or decode_image is None:
+        return _decode_with_pil(encoded)  # an animated file's first frame only
     try:
-        image = decode_image(
-            torch.frombuffer(bytearray(encoded), dtype=torch.uint8), mode=ImageReadMode.RGB
-        )
-    except (RuntimeError, ValueError):  # a format torchvision does not read, or a bad file
+        # "auto": a 16-bit PNG's values, brought to 8 bits below as torchvision.io's were
+        image = decode_image(encoded, mode="RGB", output_dtype="auto")
+    except (RuntimeError, ValueError):  # a format TorchCodec does not read, or a bad file
         return _decode_with_pil(encoded)
-    if image.dtype != torch.uint8:  # 16-bit PNG
+    if image.dtype != torch.uint8:
         image = F.to_dtype(image, torch.uint8, scale=True)
     return image
 
 
-def _check_size(encoded: bytes, max_pixels: int | None) -> None:
-    """Refuses a decompression bomb by what its header declares, before a decoder allocates
-    the pixels. PIL reads just the header here, a small fraction of a decode's cost."""
-    if max_pixels is None or not encoded:
-        return
+def _check_header(encoded: bytes, max_pixels: int | None) -> tuple[bool, bool]:
+    """Whether the file is animated, and whether it is a JPEG that decoding alone makes RGB
+    (grayscale or colour, upright as stored); refuses a decompression bomb by what its header
+    declares, before a decoder allocates the pixels. PIL reads just the header here, a small
+    fraction of a decode's cost."""
     try:
         with Image.open(io.BytesIO(encoded)) as image:
             width, height = image.size
+            animated = image.format == "WEBP" and getattr(image, "is_animated", False)
+            plain_jpeg = (
+                image.format == "JPEG"
+                and image.mode in ("L", "RGB")
+                and image.getexif().get(ExifTags.Base.Orientation, 1) == 1
+            )
     except Exception:  # no header PIL knows (its errors vary): the decoders will say why
-        return
-    if width * height > max_pixels:
+        return False, False
+    if max_pixels is not None and width * height > max_pixels:
         raise _Unreadable(
             f"its header declares {width} x {height} = {width * height:,} pixels, more than "
             f"--max-image-pixels {max_pixels:,} (a decompression bomb, or raise the limit)"
         )
+    return animated, plain_jpeg
 
 
 def _decode_with_pil(encoded: bytes) -> torch.Tensor:
     try:
         with Image.open(io.BytesIO(encoded)) as image:
-            return F.pil_to_tensor(image.convert("RGB"))
+            upright = ImageOps.exif_transpose(image)  # as TorchCodec turns a JPEG
+            return F.pil_to_tensor(upright.convert("RGB"))
     except UnidentifiedImageError:  # whose message shows a BytesIO object
-        raise _Unreadable("not an image in a format torchvision or PIL reads") from None
+        raise _Unreadable("not an image in a format TorchCodec or PIL reads") from None
     except (OSError, SyntaxError, ValueError) as err:
         raise _Unreadable(str(err)) from None
 
 
-# torchvision's list, and GIF, which torchvision.io decodes but the list leaves out
+# torchvision's list, and GIF, which the decoders read but the list leaves out
 EXTENSIONS = (*IMG_EXTENSIONS, ".gif")
 
 
@@ -149,6 +180,15 @@ class ImageFolder(datasets.ImageFolder):
     folder, which no class takes (their names, sorted)."""
 
     loose: list[str]
+    max_pixels: int | None = MAX_IMAGE_PIXELS
+    jpeg_later = False  # load_rgb's: --decode-device cuda (data/decode.py)
+
+    def __getitem__(self, index: int):
+        path, target = self.samples[index]
+        image = load_rgb(path, self.max_pixels, self.jpeg_later)
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, target
 
     def names(self) -> list[str]:
         """Each sample's name in its split (class/file), in order: what `ddptrain pack` records."""
@@ -245,9 +285,11 @@ def image_folder(root: Path, transform, max_pixels: int | None = MAX_IMAGE_PIXEL
         raise UserError(f"data directory {root} does not exist (DATA must hold train/ and val/)")
     loader = functools.partial(load_rgb, max_pixels=max_pixels)
     try:
-        return ImageFolder(str(root), transform=transform, loader=loader)
+        dataset = ImageFolder(str(root), transform=transform, loader=loader)
     except OSError as err:  # no class folders, a class folder with no images, no permission
         raise UserError(f"{root}: {err}") from None
+    dataset.max_pixels = max_pixels
+    return dataset
 
 
 def loose_warning(dataset: ImageFolder) -> str | None:

@@ -10,6 +10,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from ddptrain.config import Config
+from ddptrain.data import decode
 from ddptrain.data.sampler import EvalShard, GlobalBatchSampler, SeededSamples
 from ddptrain.data.sources import Source, check_same_classes
 from ddptrain.data.transforms import build_train_transform, build_val_transform
@@ -24,9 +25,9 @@ warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
 
 @dataclass
 class Data:
-    train_loader: Loader | None
+    train_loader: Loader | decode.DecodedBatches | None
     train_sampler: GlobalBatchSampler | None
-    val_loader: Loader
+    val_loader: Loader | decode.DecodedBatches
     num_val: int
     class_to_idx: dict[str, int]
     # Per split: {"images": count, "digest": of the file list, None for --dummy}. Checkpoints
@@ -56,18 +57,24 @@ def build_data(
     `leave_out`: samples the image check found bad (source.names), left out on every rank
     alike (data/check.py)."""
     per_rank = config.optim.batch_size // env.world_size
-    val = source.split("val", build_val_transform(config.data), leave_out)
+    on_device = config.data.decode_device == "cuda"  # decode.py; checked in resolve.py
+    val_transform = build_val_transform(config.data)
+    val = _split(source, "val", val_transform, leave_out, on_device)
     common = dict(
         num_workers=config.data.workers,
         pin_memory=env.device.type == "cuda",
         persistent_workers=config.data.workers > 0,
+        collate_fn=decode.collate if on_device else None,
     )
     val_loader = Loader(EvalShard(val.dataset, env.rank, env.world_size), per_rank, **common)
+    if on_device:
+        val_loader = decode.DecodedBatches(val_loader, val_transform, env.device)
     facts = {"val": val.facts}
     if config.checkpoint.evaluate:
         warnings = [val.warning] if val.warning else []
         return Data(None, None, val_loader, len(val.dataset), val.class_to_idx, facts, warnings)
-    train = source.split("train", build_train_transform(config.data), leave_out)
+    train_transform = build_train_transform(config.data)
+    train = _split(source, "train", train_transform, leave_out, on_device)
     check_same_classes(train, val)
     warnings = [line for line in (train.warning, val.warning) if line]
     images = len(train.dataset)
@@ -79,7 +86,19 @@ def build_data(
         )
     sampler = GlobalBatchSampler(images, config.optim.batch_size, env.rank, env.world_size, seed)
     train_loader = Loader(SeededSamples(train.dataset), per_rank, sampler=sampler, **common)
+    if on_device:
+        train_loader = decode.DecodedBatches(train_loader, train_transform, env.device)
     facts["train"] = train.facts
     return Data(
         train_loader, sampler, val_loader, len(val.dataset), train.class_to_idx, facts, warnings
     )
+
+
+def _split(source: Source, name: str, transform, leave_out: frozenset[str], on_device: bool):
+    """The split, its transform applied in the workers; on_device (--decode-device cuda), its
+    plain JPEGs left encoded for decode.DecodedBatches, which transforms them."""
+    if not on_device:
+        return source.split(name, transform, leave_out)
+    split = source.split(name, decode.Later(transform), leave_out)
+    decode.defer(split.dataset)
+    return split

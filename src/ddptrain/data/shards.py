@@ -169,12 +169,13 @@ class ShardSource:
     def shard_path(self, part: SplitIndex, i: int) -> str:
         return self.reader.url(part.shards[part.shard[i]])
 
-    def load(self, part: SplitIndex, i: int) -> torch.Tensor:
+    def load(self, part: SplitIndex, i: int, jpeg_later: bool = False) -> torch.Tensor:
         """Sample i of part decoded (as an image file is: folder.decode_rgb)."""
         encoded, why = self._read(part, i)
         if why:
             raise UserError(f"{self.shard_path(part, i)}: {why}")
-        return folder.decode_rgb(encoded, self.shown_at(part, i), self.max_pixels)
+        shown = self.shown_at(part, i)
+        return folder.decode_rgb(encoded, shown, self.max_pixels, jpeg_later)
 
     def shown_at(self, part: SplitIndex, i: int) -> str:
         return f"{part.names[i]} in {self.shard_path(part, i)}"
@@ -233,6 +234,8 @@ class ShardSource:
 class PackedImages(Dataset):
     """A split of a packed set: (uint8 RGB image, label), the transform applied."""
 
+    jpeg_later = False  # folder.decode_rgb's: --decode-device cuda (data/decode.py)
+
     def __init__(self, source: ShardSource, part: SplitIndex, transform=None):
         self.source, self.part, self.transform = source, part, transform
 
@@ -240,7 +243,7 @@ class PackedImages(Dataset):
         return len(self.part)
 
     def __getitem__(self, i: int):
-        image = self.source.load(self.part, i)
+        image = self.source.load(self.part, i, self.jpeg_later)
         if self.transform is not None:
             image = self.transform(image)
         return image, int(self.part.label[i])

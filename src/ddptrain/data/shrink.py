@@ -4,14 +4,14 @@ small crops decodes fewer pixels in every epoch (on the CPU the decode is the co
 Never upscaled: an image within PX keeps its bytes. A JPEG is encoded again as JPEG at
 --quality; anything else (PNG, BMP, TIFF, WebP, GIF's first frame) as PNG, losslessly. The
 pixels are first brought to what training's decoder makes of the file (data/folder.py: RGB,
-alpha dropped, 16 bits to 8), so that shrinking changes only the size. EXIF orientation is left
-alone, as training leaves it.
+alpha dropped, 16 bits to 8, turned upright by its EXIF orientation), so that shrinking changes
+only the size: the smaller file keeps no EXIF.
 """
 
 import io
 
 import numpy as np
-from PIL import Image
+from PIL import ExifTags, Image, ImageOps
 
 from ddptrain.config import MAX_IMAGE_PIXELS
 from ddptrain.errors import first_line
@@ -34,7 +34,10 @@ def shrink(
             jpeg = image.format == "JPEG"
             if jpeg:  # decode at the smallest DCT scale still twice the size: fast, and sharp
                 image.draft(None, (2 * size[0], 2 * size[1]))
-            small = _as_trained(image).resize(size, Image.Resampling.LANCZOS)
+            if image.getexif().get(ExifTags.Base.Orientation) in (5, 6, 7, 8):
+                size = size[::-1]  # a quarter turn to be upright
+            upright = ImageOps.exif_transpose(image)
+            small = _as_trained(upright).resize(size, Image.Resampling.LANCZOS)
             out = io.BytesIO()
             if jpeg:
                 small.save(out, "JPEG", quality=quality)

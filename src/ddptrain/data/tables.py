@@ -271,6 +271,8 @@ class _NoImage(Exception):
 class _Rows(Dataset):
     """A split's rows (those `kept` of `index`) as (uint8 RGB image, class index), transformed."""
 
+    jpeg_later = False  # folder.decode_rgb's: --decode-device cuda (data/decode.py)
+
     def __init__(self, index: _Index, kept: np.ndarray, source: TableSource, transform):
         self.index, self.kept, self.transform = index, kept, transform
         self.column, self.max_pixels = source.image_column, source.max_pixels
@@ -281,7 +283,7 @@ class _Rows(Dataset):
 
     def __getitem__(self, position: int):
         encoded, shown = self._read(position)
-        image = folder.decode_rgb(encoded, shown, self.max_pixels)
+        image = folder.decode_rgb(encoded, shown, self.max_pixels, self.jpeg_later)
         if self.transform is not None:
             image = self.transform(image)
         return image, int(self.index.labels[self.kept[position]])
