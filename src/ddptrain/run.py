@@ -239,18 +239,22 @@ def _build(
 
 def _finetuning(config: Config, model: torch.nn.Module) -> tuple[dict | None, Freezing | None]:
     """The LR group of each parameter (--layer-decay, --head-lr-scale) and the backbone's
-    freezing (--freeze-backbone), from what the model's provider says of it."""
+    freezing (--freeze-backbone), from what the model's provider says of it; (None, None)
+    without these flags, which leave the model's layers and head unasked."""
+    optim = config.optim
+    if optim.layer_decay is None and optim.head_lr_scale == 1.0 and not optim.freeze_backbone:
+        return None, None
     source = provider(config.model.arch)
-    head = source.classifier(model)
+    heads = source.classifier(model)
     layers = lr_layers(
         source.layer_ids(model),
-        head_names(model, head),
-        config.optim.layer_decay,
-        config.optim.head_lr_scale,
+        head_names(model, heads),
+        optim.layer_decay,
+        optim.head_lr_scale,
     )
     freezing = None
-    if config.optim.freeze_backbone:
-        freezing = Freezing(model, head, config.optim.unfreeze_epoch)
+    if optim.freeze_backbone:
+        freezing = Freezing(model, heads, optim.unfreeze_epoch)
     return layers, freezing
 
 

@@ -28,7 +28,7 @@ def test_layer_decay_groups_are_timms_own_given_its_layer_map():
     layer_map = group_parameters(model, model.group_matcher(coarse=False), reverse=True)
     top = max(layer_map.values())
     layer_ids = {name: layer_map.get(name, top) for name, _ in model.named_parameters()}
-    head = head_names(model, model.get_classifier())
+    head = head_names(model, (model.get_classifier(),))
     config = Config(
         opt="adamw", lr=1e-3, weight_decay=0.05, norm_weight_decay=0.0, layer_decay=0.7
     ).optim

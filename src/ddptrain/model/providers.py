@@ -74,15 +74,15 @@ class Torchvision:
                 "choose a model that has it (convnext, efficientnet, swin, maxvit)"
             ) from None
 
-    def classifier(self, model: nn.Module) -> nn.Module:
-        """The classification head: the last layer with weights of the model's `fc`,
-        `classifier`, `heads` or `head` (the layer the class count shapes)."""
+    def classifier(self, model: nn.Module) -> tuple[nn.Module, ...]:
+        """The classification head, as one module: the last layer with weights of the model's
+        `fc`, `classifier`, `heads` or `head` (the layer the class count shapes)."""
         for attribute in _HEADS:
             part = getattr(model, attribute, None)
             if isinstance(part, nn.Module):
                 layers = [m for m in part.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
                 if layers:
-                    return layers[-1]
+                    return (layers[-1],)
         raise AssertionError(f"no classifier head found in {type(model).__name__}")
 
     def layer_ids(self, model: nn.Module) -> dict[str, int]:
@@ -99,7 +99,8 @@ class Torchvision:
             elif layer == len(starts) and starts:
                 layer = len(starts) + 1  # past the last block: the head's
             ids[name] = layer
-        head = {f"{name}." for name, m in model.named_modules() if m is self.classifier(model)}
+        (classifier,) = self.classifier(model)
+        head = {f"{name}." for name, m in model.named_modules() if m is classifier}
         for name in ids:
             if any(name.startswith(prefix) for prefix in head):
                 ids[name] = len(starts) + 1
@@ -309,9 +310,12 @@ class Timm:
             byobnet.SelfAttnBlock,
         )
 
-    def classifier(self, model: nn.Module) -> nn.Module:
-        """The classification head: what timm itself resets for a new class count."""
-        return model.get_classifier()
+    def classifier(self, model: nn.Module) -> tuple[nn.Module, ...]:
+        """The classification head, as its modules: what timm itself resets for a new class
+        count. A distilled model (deit_*_distilled, levit_*, efficientformer_*) has two, the
+        class token's and the distillation token's, which timm gives as a tuple."""
+        heads = model.get_classifier()
+        return heads if isinstance(heads, tuple) else (heads,)
 
     def layer_ids(self, model: nn.Module) -> dict[str, int]:
         """Parameter name -> layer index (0: the stem, highest: the head), as timm's
