@@ -290,7 +290,7 @@ def _model(resolved: Resolved, loaders: Data, env: DistEnv) -> torch.nn.Module:
         drop_path=config.model.drop_path,
     )
     if config.model.grad_checkpointing:  # before fsdp, which subclasses the blocks again
-        provider(config.model.arch).set_grad_checkpointing(model)
+        provider(config.model.arch).set_grad_checkpointing(model, config.model.arch)
     if saved is not None:
         check_compatible(saved, resume, config.model.arch, loaders.class_to_idx)
         check_fits(saved, resume, model)

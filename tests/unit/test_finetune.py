@@ -102,7 +102,7 @@ def loss_and_gradients(checkpointing: bool):
     torch.manual_seed(0)
     model = TORCHVISION.build("resnet18", 3, 16, False, False)
     if checkpointing:
-        TORCHVISION.set_grad_checkpointing(model)
+        TORCHVISION.set_grad_checkpointing(model, "resnet18")
     images, target = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 0])
     loss = torch.nn.functional.cross_entropy(model(images), target)
     loss.backward()
@@ -119,6 +119,13 @@ def test_grad_checkpointing_gives_the_same_loss_and_gradients_and_names():
     assert list(model.state_dict()) == list(plain.state_dict())
     twin = copy.deepcopy(model)  # the EMA's: checkpointed too, of its own weights
     assert type(twin.layer1[0]) is type(model.layer1[0])
+
+
+@pytest.mark.parametrize("arch", ["vgg11", "alexnet", "squeezenet1_0", "googlenet"])
+def test_grad_checkpointing_without_blocks_to_checkpoint_is_refused(arch):
+    model = TORCHVISION.build(arch, 3, 32, False, True)  # meta: structure only
+    with pytest.raises(UserError, match=f"--grad-checkpointing: torchvision's {arch} has no"):
+        TORCHVISION.set_grad_checkpointing(model, arch)
 
 
 def test_layer_decay_or_head_lr_scale_changed_on_resume_is_one_line(tmp_path):

@@ -92,7 +92,7 @@ def test_layer_ids_are_timms_own_layer_decay_grouping(arch):
 
 def test_grad_checkpointing_is_timms_switch():
     model = build_model("timm:test_vit", 3, 32, False)
-    TIMM.set_grad_checkpointing(model)
+    TIMM.set_grad_checkpointing(model, "timm:test_vit")
     assert model.grad_checkpointing
 
 
@@ -168,3 +168,9 @@ def test_both_heads_of_a_distilled_model_are_its_head(arch):
     both = {name for name in names if name.startswith(("head.", "head_dist."))}
     assert len(both) >= 4 and freezing.head == both
     assert {name for name, (group, _) in layers.items() if group == "head"} == both
+
+
+def test_grad_checkpointing_on_a_model_without_it_is_refused():
+    model = build_model("timm:inception_v3", 3, 32, False, meta=True)
+    with pytest.raises(UserError, match="--grad-checkpointing: timm:inception_v3 does not support"):
+        TIMM.set_grad_checkpointing(model, "timm:inception_v3")

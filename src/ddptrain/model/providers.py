@@ -106,10 +106,18 @@ class Torchvision:
                 ids[name] = len(starts) + 1
         return ids
 
-    def set_grad_checkpointing(self, model: nn.Module) -> None:
+    def set_grad_checkpointing(self, model: nn.Module, arch: str) -> None:
         """Each block's forward through torch.utils.checkpoint: its activations are recomputed
-        in backward instead of kept."""
-        for _, block in _outermost(model, self.blocks):
+        in backward instead of kept. A model with no block it knows is refused (vgg, alexnet,
+        squeezenet, googlenet, inception_v3), rather than left to keep every activation."""
+        outermost = _outermost(model, self.blocks)
+        if not outermost:
+            raise UserError(
+                f"--grad-checkpointing: torchvision's {arch} has no blocks to checkpoint; drop "
+                "the flag, or choose a model built of blocks (resnet, convnext, vit, swin, "
+                "efficientnet, mobilenet, regnet, densenet, maxvit)"
+            )
+        for _, block in outermost:
             block.__class__ = _checkpointed(type(block))
 
     def weights_url(self, name: str) -> str:
@@ -331,9 +339,15 @@ class Timm:
         highest = max(layer_map.values())
         return {name: layer_map.get(name, highest) for name, _ in model.named_parameters()}
 
-    def set_grad_checkpointing(self, model: nn.Module) -> None:
+    def set_grad_checkpointing(self, model: nn.Module, arch: str) -> None:
         """timm's own switch: its blocks' forwards recompute activations in backward."""
-        model.set_grad_checkpointing(True)
+        try:
+            model.set_grad_checkpointing(True)
+        except AssertionError:  # how timm's models without it refuse (inception_v3, vgg, ...)
+            raise UserError(
+                f"--grad-checkpointing: {arch} does not support gradient checkpointing in timm; "
+                "drop the flag, or choose a model that does (vit, convnext, resnet, efficientnet)"
+            ) from None
 
 
 def _outermost(model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> list:
