@@ -144,11 +144,11 @@ def _build(
     if config.model.pretrained and saved is None:
         _load_pretrained(model, config, loaders, env, reporter)
     parameters = sum(p.numel() for p in model.parameters())
-    # Named before wrapping: the LR group of each parameter, and the backbone frozen as the
-    # epoch the run starts in says (DDP is built for the parameters that train).
+    # Named before wrapping: the LR group of each parameter, and the backbone frozen as it was
+    # where the run starts (DDP is built for the parameters that train).
     layers, freezing = _finetuning(config, model)
     if freezing is not None:
-        freezing.enter(position.epoch)
+        freezing.enter(_saved_epoch(position, saved))
         if not config.model.pretrained and saved is None:
             reporter.warn(
                 "--freeze-backbone without --pretrained: the frozen backbone keeps the random "
@@ -256,6 +256,16 @@ def _finetuning(config: Config, model: torch.nn.Module) -> tuple[dict | None, Fr
     if optim.freeze_backbone:
         freezing = Freezing(model, heads, optim.unfreeze_epoch)
     return layers, freezing
+
+
+def _saved_epoch(position: TrainState, saved: dict | None) -> int:
+    """The epoch whose state `saved` holds: at an epoch's end (step 0 of the next), the epoch
+    just done. Its optimizer state then has no entry for a backbone that epoch kept frozen
+    (--unfreeze-epoch), so the parts are built and restored frozen as they were, and fit's
+    enter_epoch unfreezes and rewraps as the uninterrupted run did."""
+    if saved is not None and position.epoch_step == 0 and position.epoch > 0:
+        return position.epoch - 1
+    return position.epoch
 
 
 def _check_same_everywhere(
