@@ -109,13 +109,18 @@ def loss_and_gradients(checkpointing: bool):
     return model, loss.detach(), [p.grad for p in model.parameters()]
 
 
-def test_grad_checkpointing_gives_the_same_loss_and_gradients_and_names():
+def test_grad_checkpointing_gives_the_same_loss_gradients_statistics_and_names():
     plain, loss, grads = loss_and_gradients(False)
     model, checkpointed_loss, checkpointed_grads = loss_and_gradients(True)
     assert type(model.layer1[0]).__name__ == "CheckpointedBasicBlock"
     assert checkpointed_loss == loss
     for a, b in zip(grads, checkpointed_grads, strict=True):
         torch.testing.assert_close(a, b)
+    # BatchNorm's running statistics are updated once a step, not again by the recompute
+    buffers = dict(model.named_buffers())
+    for name, buffer in plain.named_buffers():
+        assert torch.equal(buffers[name], buffer), name
+    assert buffers["layer1.0.bn1.num_batches_tracked"] == 1
     assert list(model.state_dict()) == list(plain.state_dict())
     twin = copy.deepcopy(model)  # the EMA's: checkpointed too, of its own weights
     assert type(twin.layer1[0]) is type(model.layer1[0])

@@ -340,7 +340,9 @@ class Timm:
         return {name: layer_map.get(name, highest) for name, _ in model.named_parameters()}
 
     def set_grad_checkpointing(self, model: nn.Module, arch: str) -> None:
-        """timm's own switch: its blocks' forwards recompute activations in backward."""
+        """timm's own switch: its blocks' forwards recompute activations in backward. It takes
+        no recompute context, so BatchNorm in its blocks updates its running statistics again
+        in the recompute (docs/finetuning.md), unlike torchvision's blocks here."""
         try:
             model.set_grad_checkpointing(True)
         except AssertionError:  # how timm's models without it refuse (inception_v3, vgg, ...)
@@ -372,10 +374,32 @@ def _checkpointed(block: type[nn.Module]) -> type[nn.Module]:
         if not (self.training and torch.is_grad_enabled()):
             return super(checkpointed, self).forward(*args, **kwargs)
         run = super(checkpointed, self).forward
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        kept = functools.partial(_statistics_kept, self)
+        return checkpoint(run, *args, use_reentrant=False, context_fn=kept, **kwargs)
 
     checkpointed = type(f"Checkpointed{block.__name__}", (block,), {"forward": forward})
     return checkpointed
+
+
+def _statistics_kept(block: nn.Module) -> tuple:
+    """torch.utils.checkpoint's contexts for the forward and the recompute of `block`: the
+    recompute runs the block's BatchNorm layers in training mode again, which would update
+    their running statistics a second time each step; they are put back as the forward left
+    them."""
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    return contextlib.nullcontext(), _buffers_put_back(norms)
+
+
+@contextlib.contextmanager
+def _buffers_put_back(modules: list[nn.Module]):
+    """The modules' buffers as they were on entering, once the block inside is done."""
+    kept = [(b, b.clone()) for m in modules for b in m.buffers(recurse=False)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
 
 
 TORCHVISION = Torchvision()
