@@ -24,7 +24,7 @@ def measure(arch: str, batch: int, image_size: int, checkpointing: bool) -> dict
     torch.manual_seed(0)
     model = TORCHVISION.build(arch, 100, image_size, False, False)
     if checkpointing:
-        TORCHVISION.set_grad_checkpointing(model)
+        TORCHVISION.set_grad_checkpointing(model, arch)
     images = torch.randn(batch, 3, image_size, image_size)
     target = torch.randint(0, 100, (batch,))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -144,11 +144,11 @@ def _build(
     if config.model.pretrained and saved is None:
         _load_pretrained(model, config, loaders, env, reporter)
     parameters = sum(p.numel() for p in model.parameters())
-    # Named before wrapping: the LR group of each parameter, and the backbone frozen as the
-    # epoch the run starts in says (DDP is built for the parameters that train).
+    # Named before wrapping: the LR group of each parameter, and the backbone frozen as it was
+    # where the run starts (DDP is built for the parameters that train).
     layers, freezing = _finetuning(config, model)
     if freezing is not None:
-        freezing.enter(position.epoch)
+        freezing.enter(_saved_epoch(position, saved))
         if not config.model.pretrained and saved is None:
             reporter.warn(
                 "--freeze-backbone without --pretrained: the frozen backbone keeps the random "
@@ -239,19 +239,33 @@ def _build(
 
 def _finetuning(config: Config, model: torch.nn.Module) -> tuple[dict | None, Freezing | None]:
     """The LR group of each parameter (--layer-decay, --head-lr-scale) and the backbone's
-    freezing (--freeze-backbone), from what the model's provider says of it."""
+    freezing (--freeze-backbone), from what the model's provider says of it; (None, None)
+    without these flags, which leave the model's layers and head unasked."""
+    optim = config.optim
+    if optim.layer_decay is None and optim.head_lr_scale == 1.0 and not optim.freeze_backbone:
+        return None, None
     source = provider(config.model.arch)
-    head = source.classifier(model)
+    heads = source.classifier(model)
     layers = lr_layers(
         source.layer_ids(model),
-        head_names(model, head),
-        config.optim.layer_decay,
-        config.optim.head_lr_scale,
+        head_names(model, heads),
+        optim.layer_decay,
+        optim.head_lr_scale,
     )
     freezing = None
-    if config.optim.freeze_backbone:
-        freezing = Freezing(model, head, config.optim.unfreeze_epoch)
+    if optim.freeze_backbone:
+        freezing = Freezing(model, heads, optim.unfreeze_epoch)
     return layers, freezing
+
+
+def _saved_epoch(position: TrainState, saved: dict | None) -> int:
+    """The epoch whose state `saved` holds: at an epoch's end (step 0 of the next), the epoch
+    just done. Its optimizer state then has no entry for a backbone that epoch kept frozen
+    (--unfreeze-epoch), so the parts are built and restored frozen as they were, and fit's
+    enter_epoch unfreezes and rewraps as the uninterrupted run did."""
+    if saved is not None and position.epoch_step == 0 and position.epoch > 0:
+        return position.epoch - 1
+    return position.epoch
 
 
 def _check_same_everywhere(
@@ -286,7 +300,7 @@ def _model(resolved: Resolved, loaders: Data, env: DistEnv) -> torch.nn.Module:
         drop_path=config.model.drop_path,
     )
     if config.model.grad_checkpointing:  # before fsdp, which subclasses the blocks again
-        provider(config.model.arch).set_grad_checkpointing(model)
+        provider(config.model.arch).set_grad_checkpointing(model, config.model.arch)
     if saved is not None:
         check_compatible(saved, resume, config.model.arch, loaders.class_to_idx)
         check_fits(saved, resume, model)

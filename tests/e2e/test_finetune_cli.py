@@ -3,7 +3,8 @@
 and the shipped recipe:finetune.
 
 The tiny run of test_kills.py under torchrun on 2 ranks: 3 steps an epoch, 2 epochs, a
-checkpoint every 2 steps, so step 2 is saved before the switch and step 4 after it.
+checkpoint every 2 steps and at each epoch's end, so step 2 is saved before the switch, step 3
+at it and step 4 after it.
 """
 
 import json
@@ -40,7 +41,9 @@ def straight(tiny_data, tmp_path_factory, pretrained):
 
 @pytest.mark.parametrize(
     ("step", "resumed_at"),
-    [(3, 2), (5, 4)],  # killed in the head-only epoch / in the first epoch of the whole model
+    # killed in the head-only epoch / at the switch, resumed from the end of the head-only
+    # epoch (whose optimizer state is the head's only) / in the first epoch of the whole model
+    [(3, 2), (4, 3), (5, 4)],
 )
 def test_killed_before_or_after_unfreezing_resumes_bitwise(
     tiny_data, tmp_path, pretrained, straight, step, resumed_at
@@ -52,6 +55,30 @@ def test_killed_before_or_after_unfreezing_resumes_bitwise(
     assert f"resumed from {out}/checkpoint-{resumed_at:09d}.pt" in result.stdout
     assert_same_training(straight, out)
     assert records(out) == records(straight)
+
+
+SHARDED = ("--strategy", "fsdp", "--checkpoint-format", "sharded")
+
+
+@pytest.fixture(scope="module")
+def straight_sharded(tiny_data, tmp_path_factory, pretrained):
+    out = tmp_path_factory.mktemp("finetune-sharded") / "run"
+    ok(torchrun(2, *args(tiny_data, out, pretrained), *SHARDED))
+    return out
+
+
+def test_killed_at_the_switch_resumes_its_sharded_checkpoint_bitwise(
+    tiny_data, tmp_path, pretrained, straight_sharded
+):
+    """The end of the head-only epoch, saved sharded: its missing backbone state is no
+    damage, and the resumed run unfreezes as the uninterrupted one did."""
+    out, marker = tmp_path / "run", tmp_path / "killed"
+    kill = {"DDPTRAIN_TEST_KILL": "between:1:4", "DDPTRAIN_TEST_KILL_ONCE": str(marker)}
+    result = ok(torchrun(2, *args(tiny_data, out, pretrained), *SHARDED, env=kill, restarts=2))
+    assert marker.exists(), "the fault never fired"
+    assert f"resumed from {out}/checkpoint-000000003.dcp" in result.stdout
+    assert_same_training(straight_sharded, out)
+    assert records(out) == records(straight_sharded)
 
 
 def records(out_dir) -> list[dict]:

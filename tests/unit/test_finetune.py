@@ -28,7 +28,7 @@ def test_layer_decay_groups_are_timms_own_given_its_layer_map():
     layer_map = group_parameters(model, model.group_matcher(coarse=False), reverse=True)
     top = max(layer_map.values())
     layer_ids = {name: layer_map.get(name, top) for name, _ in model.named_parameters()}
-    head = head_names(model, model.get_classifier())
+    head = head_names(model, (model.get_classifier(),))
     config = Config(
         opt="adamw", lr=1e-3, weight_decay=0.05, norm_weight_decay=0.0, layer_decay=0.7
     ).optim
@@ -102,23 +102,35 @@ def loss_and_gradients(checkpointing: bool):
     torch.manual_seed(0)
     model = TORCHVISION.build("resnet18", 3, 16, False, False)
     if checkpointing:
-        TORCHVISION.set_grad_checkpointing(model)
+        TORCHVISION.set_grad_checkpointing(model, "resnet18")
     images, target = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 0])
     loss = torch.nn.functional.cross_entropy(model(images), target)
     loss.backward()
     return model, loss.detach(), [p.grad for p in model.parameters()]
 
 
-def test_grad_checkpointing_gives_the_same_loss_and_gradients_and_names():
+def test_grad_checkpointing_gives_the_same_loss_gradients_statistics_and_names():
     plain, loss, grads = loss_and_gradients(False)
     model, checkpointed_loss, checkpointed_grads = loss_and_gradients(True)
     assert type(model.layer1[0]).__name__ == "CheckpointedBasicBlock"
     assert checkpointed_loss == loss
     for a, b in zip(grads, checkpointed_grads, strict=True):
         torch.testing.assert_close(a, b)
+    # BatchNorm's running statistics are updated once a step, not again by the recompute
+    buffers = dict(model.named_buffers())
+    for name, buffer in plain.named_buffers():
+        assert torch.equal(buffers[name], buffer), name
+    assert buffers["layer1.0.bn1.num_batches_tracked"] == 1
     assert list(model.state_dict()) == list(plain.state_dict())
     twin = copy.deepcopy(model)  # the EMA's: checkpointed too, of its own weights
     assert type(twin.layer1[0]) is type(model.layer1[0])
+
+
+@pytest.mark.parametrize("arch", ["vgg11", "alexnet", "squeezenet1_0", "googlenet"])
+def test_grad_checkpointing_without_blocks_to_checkpoint_is_refused(arch):
+    model = TORCHVISION.build(arch, 3, 32, False, True)  # meta: structure only
+    with pytest.raises(UserError, match=f"--grad-checkpointing: torchvision's {arch} has no"):
+        TORCHVISION.set_grad_checkpointing(model, arch)
 
 
 def test_layer_decay_or_head_lr_scale_changed_on_resume_is_one_line(tmp_path):

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from timm.optim import param_groups_layer_decay
 
+from ddptrain import run
 from ddptrain.config import Config
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
@@ -46,7 +47,7 @@ def test_a_tagged_name_is_taken():
 def test_a_vit_is_built_for_the_crop_size_and_the_class_count():
     model = build_model("timm:test_vit", 7, 32, False)
     assert model.pos_embed.shape[1] == 1 + (32 // 16) ** 2  # the class token and 2x2 patches
-    assert TIMM.classifier(model).out_features == 7
+    assert TIMM.classifier(model)[0].out_features == 7
     assert model(torch.zeros(1, 3, 32, 32)).shape == (1, 7)
     # a convolutional net takes any size: no img_size to pass
     assert TIMM.model_kwargs("timm:resnet10t", 7, 32) == {"num_classes": 7}
@@ -84,13 +85,14 @@ def test_layer_ids_are_timms_own_layer_decay_grouping(arch):
     }
     for name, p in model.named_parameters():
         assert scale_of[id(p)] == decay ** (highest - ids[name]), name
-    head = set(map(id, TIMM.classifier(model).parameters()))
+    (classifier,) = TIMM.classifier(model)
+    head = set(map(id, classifier.parameters()))
     assert {ids[n] for n, p in model.named_parameters() if id(p) in head} == {highest}
 
 
 def test_grad_checkpointing_is_timms_switch():
     model = build_model("timm:test_vit", 3, 32, False)
-    TIMM.set_grad_checkpointing(model)
+    TIMM.set_grad_checkpointing(model, "timm:test_vit")
     assert model.grad_checkpointing
 
 
@@ -153,3 +155,22 @@ def test_pretrained_file_takes_timms_own_model_safetensors(tmp_path):
     for name, tensor in model.state_dict().items():
         if name not in fresh:
             assert torch.equal(tensor, published[name]), name
+
+
+@pytest.mark.parametrize("arch", ["timm:levit_128s", "timm:deit_tiny_distilled_patch16_224"])
+def test_both_heads_of_a_distilled_model_are_its_head(arch):
+    """get_classifier() of a distilled model is a tuple (head, head_dist): both are the head."""
+    model = build_model(arch, 3, 32, False, meta=True)
+    assert run._finetuning(Config(arch=arch), model) == (None, None)  # no flags: no head needed
+    config = Config(arch=arch, freeze_backbone=True, head_lr_scale=10)
+    layers, freezing = run._finetuning(config, model)
+    names = {name for name, _ in model.named_parameters()}
+    both = {name for name in names if name.startswith(("head.", "head_dist."))}
+    assert len(both) >= 4 and freezing.head == both
+    assert {name for name, (group, _) in layers.items() if group == "head"} == both
+
+
+def test_grad_checkpointing_on_a_model_without_it_is_refused():
+    model = build_model("timm:inception_v3", 3, 32, False, meta=True)
+    with pytest.raises(UserError, match="--grad-checkpointing: timm:inception_v3 does not support"):
+        TIMM.set_grad_checkpointing(model, "timm:inception_v3")

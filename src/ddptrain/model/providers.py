@@ -74,15 +74,15 @@ class Torchvision:
                 "choose a model that has it (convnext, efficientnet, swin, maxvit)"
             ) from None
 
-    def classifier(self, model: nn.Module) -> nn.Module:
-        """The classification head: the last layer with weights of the model's `fc`,
-        `classifier`, `heads` or `head` (the layer the class count shapes)."""
+    def classifier(self, model: nn.Module) -> tuple[nn.Module, ...]:
+        """The classification head, as one module: the last layer with weights of the model's
+        `fc`, `classifier`, `heads` or `head` (the layer the class count shapes)."""
         for attribute in _HEADS:
             part = getattr(model, attribute, None)
             if isinstance(part, nn.Module):
                 layers = [m for m in part.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
                 if layers:
-                    return layers[-1]
+                    return (layers[-1],)
         raise AssertionError(f"no classifier head found in {type(model).__name__}")
 
     def layer_ids(self, model: nn.Module) -> dict[str, int]:
@@ -99,16 +99,25 @@ class Torchvision:
             elif layer == len(starts) and starts:
                 layer = len(starts) + 1  # past the last block: the head's
             ids[name] = layer
-        head = {f"{name}." for name, m in model.named_modules() if m is self.classifier(model)}
+        (classifier,) = self.classifier(model)
+        head = {f"{name}." for name, m in model.named_modules() if m is classifier}
         for name in ids:
             if any(name.startswith(prefix) for prefix in head):
                 ids[name] = len(starts) + 1
         return ids
 
-    def set_grad_checkpointing(self, model: nn.Module) -> None:
+    def set_grad_checkpointing(self, model: nn.Module, arch: str) -> None:
         """Each block's forward through torch.utils.checkpoint: its activations are recomputed
-        in backward instead of kept."""
-        for _, block in _outermost(model, self.blocks):
+        in backward instead of kept. A model with no block it knows is refused (vgg, alexnet,
+        squeezenet, googlenet, inception_v3), rather than left to keep every activation."""
+        outermost = _outermost(model, self.blocks)
+        if not outermost:
+            raise UserError(
+                f"--grad-checkpointing: torchvision's {arch} has no blocks to checkpoint; drop "
+                "the flag, or choose a model built of blocks (resnet, convnext, vit, swin, "
+                "efficientnet, mobilenet, regnet, densenet, maxvit)"
+            )
+        for _, block in outermost:
             block.__class__ = _checkpointed(type(block))
 
     def weights_url(self, name: str) -> str:
@@ -309,9 +318,12 @@ class Timm:
             byobnet.SelfAttnBlock,
         )
 
-    def classifier(self, model: nn.Module) -> nn.Module:
-        """The classification head: what timm itself resets for a new class count."""
-        return model.get_classifier()
+    def classifier(self, model: nn.Module) -> tuple[nn.Module, ...]:
+        """The classification head, as its modules: what timm itself resets for a new class
+        count. A distilled model (deit_*_distilled, levit_*, efficientformer_*) has two, the
+        class token's and the distillation token's, which timm gives as a tuple."""
+        heads = model.get_classifier()
+        return heads if isinstance(heads, tuple) else (heads,)
 
     def layer_ids(self, model: nn.Module) -> dict[str, int]:
         """Parameter name -> layer index (0: the stem, highest: the head), as timm's
@@ -327,9 +339,17 @@ class Timm:
         highest = max(layer_map.values())
         return {name: layer_map.get(name, highest) for name, _ in model.named_parameters()}
 
-    def set_grad_checkpointing(self, model: nn.Module) -> None:
-        """timm's own switch: its blocks' forwards recompute activations in backward."""
-        model.set_grad_checkpointing(True)
+    def set_grad_checkpointing(self, model: nn.Module, arch: str) -> None:
+        """timm's own switch: its blocks' forwards recompute activations in backward. It takes
+        no recompute context, so BatchNorm in its blocks updates its running statistics again
+        in the recompute (docs/finetuning.md), unlike torchvision's blocks here."""
+        try:
+            model.set_grad_checkpointing(True)
+        except AssertionError:  # how timm's models without it refuse (inception_v3, vgg, ...)
+            raise UserError(
+                f"--grad-checkpointing: {arch} does not support gradient checkpointing in timm; "
+                "drop the flag, or choose a model that does (vit, convnext, resnet, efficientnet)"
+            ) from None
 
 
 def _outermost(model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> list:
@@ -354,10 +374,32 @@ def _checkpointed(block: type[nn.Module]) -> type[nn.Module]:
         if not (self.training and torch.is_grad_enabled()):
             return super(checkpointed, self).forward(*args, **kwargs)
         run = super(checkpointed, self).forward
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        kept = functools.partial(_statistics_kept, self)
+        return checkpoint(run, *args, use_reentrant=False, context_fn=kept, **kwargs)
 
     checkpointed = type(f"Checkpointed{block.__name__}", (block,), {"forward": forward})
     return checkpointed
+
+
+def _statistics_kept(block: nn.Module) -> tuple:
+    """torch.utils.checkpoint's contexts for the forward and the recompute of `block`: the
+    recompute runs the block's BatchNorm layers in training mode again, which would update
+    their running statistics a second time each step; they are put back as the forward left
+    them."""
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    return contextlib.nullcontext(), _buffers_put_back(norms)
+
+
+@contextlib.contextmanager
+def _buffers_put_back(modules: list[nn.Module]):
+    """The modules' buffers as they were on entering, once the block inside is done."""
+    kept = [(b, b.clone()) for m in modules for b in m.buffers(recurse=False)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
 
 
 TORCHVISION = Torchvision()

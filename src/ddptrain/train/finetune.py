@@ -5,10 +5,13 @@ each parameter is in and which module is the head; the rest is the same for ever
 from torch import nn
 
 
-def head_names(model: nn.Module, head: nn.Module) -> set[str]:
-    """The names of the parameters of `head`, a module of `model`, as model names them."""
-    prefix = next(name for name, module in model.named_modules() if module is head)
-    return {f"{prefix}.{name}" for name, _ in head.named_parameters()}
+def head_names(model: nn.Module, heads: tuple[nn.Module, ...]) -> set[str]:
+    """The names of the parameters of `heads`, modules of `model`, as model names them."""
+    names = set()
+    for prefix, module in model.named_modules():
+        if any(module is head for head in heads):
+            names |= {f"{prefix}.{name}" for name, _ in module.named_parameters()}
+    return names
 
 
 def lr_layers(
@@ -43,9 +46,9 @@ class Freezing:
 
     Parameters are found by name at each change: fsdp replaces them with its shards."""
 
-    def __init__(self, model: nn.Module, head: nn.Module, until: int | None):
+    def __init__(self, model: nn.Module, heads: tuple[nn.Module, ...], until: int | None):
         self.model, self.until = model, until
-        self.head = head_names(model, head)
+        self.head = head_names(model, heads)
         self.norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         self.frozen = False
 
