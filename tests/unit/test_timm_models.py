@@ -96,6 +96,29 @@ def test_grad_checkpointing_is_timms_switch():
     assert model.grad_checkpointing
 
 
+def step_of_resnet10t(checkpointing: bool):
+    torch.manual_seed(0)
+    model = build_model("timm:resnet10t", 3, 32, False)
+    if checkpointing:
+        TIMM.set_grad_checkpointing(model, "timm:resnet10t")
+    loss = torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.arange(4) % 3)
+    loss.backward()
+    return model, loss.detach()
+
+
+def test_grad_checkpointing_of_blocks_with_batch_norm_updates_its_statistics_once():
+    plain, loss = step_of_resnet10t(False)
+    model, checkpointed_loss = step_of_resnet10t(True)
+    assert type(model.layer1[0]).__name__ == "CheckpointedBasicBlock"
+    assert checkpointed_loss == loss
+    for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    buffers = dict(model.named_buffers())
+    for name, buffer in plain.named_buffers():
+        assert torch.equal(buffers[name], buffer), name
+    assert list(model.state_dict()) == list(plain.state_dict())
+
+
 def test_drop_path_sets_timms_rate_and_is_refused_where_there_is_none():
     model = TIMM.build("timm:test_vit", 3, 32, False, False, drop_path=0.2)
     assert model.blocks[-1].drop_path1.drop_prob == pytest.approx(0.2)

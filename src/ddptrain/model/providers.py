@@ -340,9 +340,15 @@ class Timm:
         return {name: layer_map.get(name, highest) for name, _ in model.named_parameters()}
 
     def set_grad_checkpointing(self, model: nn.Module, arch: str) -> None:
-        """timm's own switch: its blocks' forwards recompute activations in backward. It takes
-        no recompute context, so BatchNorm in its blocks updates its running statistics again
-        in the recompute (docs/finetuning.md), unlike torchvision's blocks here."""
+        """timm's own switch: its blocks' forwards recompute activations in backward. Where
+        the blocks hold BatchNorm, they are checkpointed as torchvision's are instead: timm's
+        switch takes no recompute context, so the recompute would update BatchNorm's running
+        statistics a second time each step."""
+        outermost = _outermost(model, self.blocks)
+        if any(_norms(block) for _, block in outermost):
+            for _, block in outermost:
+                block.__class__ = _checkpointed(type(block))
+            return
         try:
             model.set_grad_checkpointing(True)
         except AssertionError:  # how timm's models without it refuse (inception_v3, vgg, ...)
@@ -386,8 +392,12 @@ def _statistics_kept(block: nn.Module) -> tuple:
     recompute runs the block's BatchNorm layers in training mode again, which would update
     their running statistics a second time each step; they are put back as the forward left
     them."""
-    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    return contextlib.nullcontext(), _buffers_put_back(norms)
+    return contextlib.nullcontext(), _buffers_put_back(_norms(block))
+
+
+def _norms(block: nn.Module) -> list[nn.Module]:
+    """The BatchNorm layers in block."""
+    return [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
 @contextlib.contextmanager
