@@ -8,6 +8,7 @@ the Reporter. Before it exists, and in the commands, they take progress.say and 
 their caller instead: they never print.
 """
 
+import sys
 from pathlib import Path
 
 from ddptrain.distributed.collectives import agree
@@ -112,12 +113,15 @@ class Reporter:
         return [*self.sinks, *([] if self.per_class is None else [self.per_class]), *self.trackers]
 
     def close(self) -> None:
+        """Ends the records. It runs in the run's `finally`: the exception in flight there, if
+        any, is what ended the run, and the trackers mark their run stopped or failed by it."""
+        ended_by = sys.exc_info()[1]
         self.end_epoch()
         for sink in self.sinks:
             sink.close()
         for each in self.trackers:
             try:
-                each.close()
+                each.close(ended_by)
             except UserError as err:  # said, not raised: close runs as a failed run ends too
                 self.warn(str(err))
 
