@@ -74,3 +74,17 @@ def test_mlflow_marks_a_run_by_how_it_ended(tmp_path):
     assert closed_status(tmp_path, None) == "FINISHED"
     assert closed_status(tmp_path, RuntimeError("a bug")) == "FAILED"
     assert closed_status(tmp_path, Stopped(15, "stopped on SIGTERM")) == "KILLED"
+
+
+def test_a_tracker_failing_to_log_an_epoch_is_a_warning_not_the_runs_end(tmp_path, capsys):
+    from mlflow import MlflowClient
+
+    one = DistEnv(0, 1, 0, 1, torch.device("cpu"))
+    reporter = Reporter(one, tmp_path, progress="none", log_to=("mlflow",))
+    reporter.keep_until(0)
+    run_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"]
+    MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").delete_run(run_id)  # logging now fails
+    reporter.record({"split": "val", "epoch": 1, "global_step": 2, "loss": 1.0, "acc1": 50.0})
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["acc1"] == 50.0
+    warning = capsys.readouterr().err
+    assert "--log-to mlflow: logging epoch 1 failed" in warning and "training goes on" in warning

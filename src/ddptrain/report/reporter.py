@@ -17,7 +17,7 @@ from ddptrain.errors import UserError
 from ddptrain.report.metrics import MetricsLog
 from ddptrain.report.progress import make_progress, say
 from ddptrain.report.records import SummaryCsv, TensorBoardSink
-from ddptrain.report.trackers import Tracker, tracker
+from ddptrain.report.trackers import Tracker, TrackerFailed, tracker
 
 
 class Reporter:
@@ -101,11 +101,16 @@ class Reporter:
             for record in records:
                 for sink in self.sinks:
                     sink.write(record)
-            for each in self.trackers:
-                each.write_epoch(records)
             for record in per_class:
                 if self.per_class is not None:
                     self.per_class.write(record)
+            # Only warned of: a tracker out of reach must not end the training before this
+            # epoch's checkpoint; metrics.jsonl keeps the epoch.
+            for each in self.trackers:
+                try:
+                    each.write_epoch(records)
+                except TrackerFailed as err:
+                    self.warn(f"{err}; training goes on (metrics.jsonl has the epoch)")
 
         agree(self.env, write, doing="writing metrics.jsonl, per_class.jsonl and summary.csv")
 

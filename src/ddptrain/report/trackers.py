@@ -50,6 +50,10 @@ def require(name: str):
         ) from None
 
 
+class TrackerFailed(UserError):
+    """The tracker's library or server failed (not the run's own files)."""
+
+
 class Tracker:
     """One tracked run, opened as the run goes on from where it starts (keep_until): a fresh
     run starts a new tracked run, a resumed one (resumed: it starts after global step 0)
@@ -105,7 +109,7 @@ class Tracker:
             raise
         except Exception as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise UserError(f"--log-to {self.name}: {doing} failed: {first}") from None
+            raise TrackerFailed(f"--log-to {self.name}: {doing} failed: {first}") from None
 
     def _save_state(self) -> None:
         state = _read_state(self.out_dir)
