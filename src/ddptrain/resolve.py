@@ -27,6 +27,7 @@ from ddptrain.data.sources import Source, open_source
 from ddptrain.distributed.collectives import agree, from_rank0
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
+from ddptrain.model.build import file_preprocessing
 from ddptrain.model.providers import provider
 from ddptrain.parallel.parallelize import will_shard
 from ddptrain.report.progress import counting, say
@@ -163,13 +164,16 @@ def _resolve_here(
 
 
 def published_preprocessing(config: Config, given: frozenset[str]) -> Config:
-    """--pretrained alone with a timm model: the input its weights were trained with (size,
-    interpolation, mean, std, and the val resize of their crop fraction), for each setting
-    that no flag or --config file gives (`given`)."""
-    maker = provider(config.model.arch)
-    if config.model.pretrained is not True or maker.library != "timm":
+    """--pretrained with a timm model: the input its weights were trained with, for each setting
+    that no flag or --config file gives (`given`). The published weights' (size, interpolation,
+    mean, std, and the val resize of their crop fraction) for --pretrained alone or a file of
+    timm's own; a ddptrain checkpoint's or export's own interpolation, mean and std."""
+    maker, pretrained = provider(config.model.arch), config.model.pretrained
+    if not pretrained or maker.library != "timm":
         return config
-    theirs = maker.preprocessing(config.model.arch)
+    theirs = file_preprocessing(Path(pretrained)) if isinstance(pretrained, str) else None
+    if theirs is None:
+        theirs = maker.preprocessing(config.model.arch)
     crop_pct = theirs.pop("crop_pct", None)
     config = config.replace(**{key: v for key, v in theirs.items() if key not in given})
     if crop_pct and "val_resize" not in given:

@@ -11,6 +11,7 @@ from ddptrain.errors import UserError
 from ddptrain.model.build import build_model
 from ddptrain.model.precision import Precision
 from ddptrain.parallel.parallelize import unwrap, wrap
+from ddptrain.report.metrics import EvalSums
 from ddptrain.train import trainer
 from ddptrain.train.step import Step
 
@@ -132,6 +133,23 @@ def test_exact_evaluation_on_an_uneven_val_set(tiny_data, world, batch):
         assert result["loss"] == pytest.approx(single["loss"], rel=1e-6)
         assert torch.equal(result["confusion"], single["confusion"])
         assert_confusion_gives_acc1(result)
+
+
+def confusion_of_a_shard(env, dense_limit):
+    """Each rank counts its share of 40 fixed predictions over 6 classes."""
+    generator = torch.Generator().manual_seed(0)
+    output, target = torch.randn(40, 6, generator=generator), torch.randint(0, 6, (40,))
+    mine = slice(env.rank * 40 // env.world_size, (env.rank + 1) * 40 // env.world_size)
+    sums = EvalSums(env.device, dense_limit)
+    sums.add_masked(torch.tensor(0.0), output[mine], target[mine], target[mine] >= 0)
+    return sums.result(env)[1].to_dense()
+
+
+def test_confusion_cells_gathered_over_ranks_equal_the_dense_counts():
+    (dense,) = run_ranks(confusion_of_a_shard, 1, 6)
+    for gathered in run_ranks(confusion_of_a_shard, 2, 0):
+        assert torch.equal(gathered, dense)
+    assert dense.sum() == 40
 
 
 def assert_confusion_gives_acc1(result):

@@ -43,6 +43,7 @@ def test_the_sidecar_says_how_to_feed_the_model(exported):
         "library": "torchvision",
         "arch": "resnet18",
         "num_classes": 3,
+        "model_image_size": 16,
         "classes": ["arrow", "bar", "circle"],
         "image_size": 16,
         "val_resize": 18,

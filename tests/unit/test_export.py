@@ -6,6 +6,7 @@ from safetensors import safe_open
 
 from ddptrain.errors import UserError
 from ddptrain.tools.export import describe, export
+from ddptrain.tools.inference import load_trained
 
 CLASSES = {"cat": 1, "ant": 0, "dog": 2}
 
@@ -43,3 +44,22 @@ def test_weights_carry_their_arch_and_views_are_made_whole(tmp_path):
         assert f.metadata()["arch"] == "resnet18" and f.metadata()["num_classes"] == "3"
         assert torch.equal(f.get_tensor("fc.weight"), weight)
     assert json.loads((tmp_path / "w.json").read_text()) == description
+
+
+def test_a_model_built_for_its_training_size_loads_whatever_the_val_crop(tmp_path):
+    # A ViT's position embedding has one entry per patch of the training size: trained on
+    # 32 px and evaluated on 48 px crops, it must be rebuilt for 32 px.
+    import timm
+
+    model = timm.create_model("test_vit", img_size=32, num_classes=3)
+    config = {"image_size": 32, "val_crop": 48}
+    saved = {"model": model.state_dict(), "arch": "timm:test_vit", "class_to_idx": CLASSES}
+    torch.save({**saved, "config": config}, tmp_path / "c.pt")
+    description = export(tmp_path / "c.pt", tmp_path / "w.safetensors")
+    assert (description["image_size"], description["model_image_size"]) == (48, 32)
+    assert description["create_model_kwargs"]["img_size"] == 32
+    images = torch.randn(2, 3, 48, 48)
+    for path in (tmp_path / "c.pt", tmp_path / "w.safetensors"):
+        trained = load_trained(path)
+        assert trained.val_transform()(torch.zeros(3, 60, 60, dtype=torch.uint8)).shape[-1] == 48
+        assert torch.equal(trained.model(images), model.eval()(images))

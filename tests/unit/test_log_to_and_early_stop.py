@@ -1,11 +1,15 @@
 """--log-to and --early-stop: what they accept; a missing or failing tracker named in one line."""
 
+import json
 import sys
 
 import pytest
+import torch
 
 from ddptrain.config import Config
-from ddptrain.errors import UserError
+from ddptrain.distributed.env import DistEnv
+from ddptrain.errors import Stopped, UserError
+from ddptrain.report.reporter import Reporter
 from ddptrain.report.trackers import require, tracker
 from ddptrain.state.checkpointer import TrainState
 
@@ -44,3 +48,43 @@ def test_a_tracker_that_cannot_start_says_so_in_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
     with pytest.raises(UserError, match=r"^--log-to mlflow: starting its run failed: .*bogus"):
         tracker("mlflow", tmp_path, {"lr": 0.1}, resumed=False).keep_until(0)
+
+
+def closed_status(out_dir, ended_by: BaseException | None) -> str:
+    """The MLflow status of a run whose Reporter closes in a `finally` with ended_by in flight."""
+    from mlflow import MlflowClient
+
+    one = DistEnv(0, 1, 0, 1, torch.device("cpu"))
+    reporter = Reporter(one, out_dir, progress="none", log_to=("mlflow",))
+    reporter.keep_until(0)
+    try:
+        try:
+            if ended_by is not None:
+                raise ended_by
+        finally:
+            reporter.close()
+    except type(ended_by or ValueError):
+        pass
+    run_id = json.loads((out_dir / "trackers.json").read_text())["mlflow"]["run_id"]
+    return MlflowClient(f"sqlite:///{out_dir}/mlflow.db").get_run(run_id).info.status
+
+
+def test_mlflow_marks_a_run_by_how_it_ended(tmp_path):
+    # three runs in one store: each Reporter starts its own (trackers.json names the latest)
+    assert closed_status(tmp_path, None) == "FINISHED"
+    assert closed_status(tmp_path, RuntimeError("a bug")) == "FAILED"
+    assert closed_status(tmp_path, Stopped(15, "stopped on SIGTERM")) == "KILLED"
+
+
+def test_a_tracker_failing_to_log_an_epoch_is_a_warning_not_the_runs_end(tmp_path, capsys):
+    from mlflow import MlflowClient
+
+    one = DistEnv(0, 1, 0, 1, torch.device("cpu"))
+    reporter = Reporter(one, tmp_path, progress="none", log_to=("mlflow",))
+    reporter.keep_until(0)
+    run_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"]
+    MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").delete_run(run_id)  # logging now fails
+    reporter.record({"split": "val", "epoch": 1, "global_step": 2, "loss": 1.0, "acc1": 50.0})
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["acc1"] == 50.0
+    warning = capsys.readouterr().err
+    assert "--log-to mlflow: logging epoch 1 failed" in warning and "training goes on" in warning

@@ -3,8 +3,10 @@ import json
 import pytest
 import torch
 
+from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
-from ddptrain.report.metrics import MetricsLog, Sums, topk_correct
+from ddptrain.report.metrics import EvalSums, MetricsLog, Sums, topk_correct
+from ddptrain.report.per_class import per_class_record
 from ddptrain.report.progress import shown
 
 
@@ -37,6 +39,24 @@ def test_sums_with_no_sample_have_no_means():
     assert s == {"loss": None, "acc1": None, "acc5": None, "samples": 0}
     assert shown(s["loss"], ".4f") == "-" and shown(s["acc1"], "6.2f") == "     -"
     assert shown(0.5, "6.2f") == "  0.50"
+
+
+def test_many_classes_count_confusion_cells_without_a_square_matrix():
+    # 5000 classes: a dense matrix would be 25M cells a batch; the pairs are kept instead.
+    classes, sums = 5000, EvalSums(torch.device("cpu"))
+    for target, predicted in (([0, 4999, 4999], [0, 4999, 3]), ([7, -100], [7, 0])):
+        target = torch.tensor(target)
+        output = torch.zeros(len(target), classes)
+        output[torch.arange(len(target)), torch.tensor(predicted)] = 1.0
+        sums.add_masked(torch.tensor(0.0), output, target, target != -100)
+    assert sums.values.numel() < 100
+    summary, confusion = sums.result(DistEnv(0, 1, 0, 1, torch.device("cpu")))
+    assert summary["samples"] == 4 and summary["acc1"] == 75.0
+    record = per_class_record(confusion, [f"c{i}" for i in range(classes)])
+    assert record["samples"] == 4
+    assert record["confusion_cells"] == [[0, 0, 1], [7, 7, 1], [4999, 3, 1], [4999, 4999, 1]]
+    assert record["recall"][4999] == 0.5 and record["precision"][3] == 0.0
+    assert record["accuracy"][1] is None
 
 
 def test_metrics_log_appends_only_on_the_main_rank(tmp_path):

@@ -63,6 +63,22 @@ def test_each_format_has_the_columns_in_order(tmp_path, suffix):
     }
 
 
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_a_file_name_that_is_not_utf8_is_written_in_every_format(tmp_path, suffix):
+    name = b"caf\xe9.png".decode(errors="surrogateescape")  # as os.listdir gives it
+    rows = [{"path": name, "top1": name, "prob1": 1.0}, {"path": name, "error": f"{name}: bad"}]
+    out = tmp_path / f"p{suffix}"
+    prediction_files.write(out, rows, 1)
+    if suffix == ".csv":
+        assert b"caf\xe9.png,caf\xe9.png,1.0" in out.read_bytes()
+    elif suffix == ".jsonl":
+        assert json.loads(out.read_text().splitlines()[0])["path"] == name
+    else:  # Parquet holds UTF-8 only: the byte is written escaped
+        rows = pq.read_table(out).to_pylist()
+        assert rows[0]["path"] == rows[0]["top1"] == "caf\\xe9.png"
+        assert rows[1]["error"] == "caf\\xe9.png: bad"
+
+
 def test_no_error_column_when_every_image_was_read():
     assert prediction_files.columns(ROWS[:1], 2) == ["path", "top1", "prob1", "top2", "prob2"]
 

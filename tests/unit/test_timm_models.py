@@ -142,6 +142,29 @@ def test_pretrained_takes_the_weights_preprocessing_unless_given():
         assert published_preprocessing(untouched, frozenset()) == untouched
 
 
+def test_pretrained_file_takes_the_published_preprocessing_or_the_files_own(tmp_path):
+    # timm's own weights file (what hub.py's error suggests): the published weights' input
+    save_file({"head.bias": torch.zeros(3)}, tmp_path / "model.safetensors")
+    config = Config(arch="timm:test_vit", pretrained=str(tmp_path / "model.safetensors"))
+    data = published_preprocessing(config, frozenset()).data
+    assert (data.image_size, data.interpolation, data.mean) == (160, "bicubic", (0.5, 0.5, 0.5))
+    # a ddptrain export or checkpoint carries its run's own normalisation and interpolation
+    own = {"mean": [0.2, 0.3, 0.4], "std": [0.1, 0.2, 0.3], "interpolation": "nearest"}
+    save_file({"head.bias": torch.zeros(3)}, tmp_path / "w.safetensors")
+    (tmp_path / "w.json").write_text(json.dumps({"arch": "timm:test_vit", **own}))
+    run_config = {"image_size": 24, "mean": (0.2, 0.3, 0.4), "std": (0.1, 0.2, 0.3)}
+    run_config["interpolation"] = "nearest"
+    torch.save({"model": {}, "config": run_config}, tmp_path / "c.pt")
+    for path in ("w.safetensors", "c.pt"):
+        config = Config(arch="timm:test_vit", pretrained=str(tmp_path / path), image_size=32)
+        data = published_preprocessing(config, frozenset({"image_size"})).data
+        assert (data.image_size, data.interpolation) == (32, "nearest"), path
+        assert (data.mean, data.std) == ((0.2, 0.3, 0.4), (0.1, 0.2, 0.3)), path
+    # flags still win
+    given = Config(arch="timm:test_vit", pretrained=str(tmp_path / "c.pt"), mean=(0.5, 0.5, 0.5))
+    assert published_preprocessing(given, frozenset({"mean"})).data.mean == (0.5, 0.5, 0.5)
+
+
 def test_an_export_of_a_timm_run_loads_strictly_into_timm(tmp_path):
     model = build_model("timm:test_vit", 4, 32, False)
     config = Config(arch="timm:test_vit", image_size=32, mean=(0.5, 0.5, 0.5), std=(0.5,) * 3)

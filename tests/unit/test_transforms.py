@@ -102,6 +102,15 @@ def test_random_erase_fills_a_rectangle_with_the_mean_colour_on_uint8():
     )
 
 
+def test_random_erase_fills_with_the_mean_the_run_normalises_by():
+    config = Config(image_size=32, random_erase=1.0, hflip=0.0, mean=(0.5, 0.25, 1.0))
+    erase = build_train_transform(config.data).transforms[-1]
+    out = drawn(erase, torch.zeros(3, 32, 32, dtype=torch.uint8), 0)
+    changed = (out != 0).any(0)
+    assert changed.any()
+    assert torch.equal(out[:, changed].unique(dim=1), torch.tensor([[128, 64, 255]]).T)
+
+
 def test_val_resize_and_crop():
     config = Config(image_size=176, val_resize=232, val_crop=224, interpolation="bicubic")
     assert val_sizes(config.data) == (232, 224)

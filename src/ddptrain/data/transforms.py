@@ -24,6 +24,11 @@ def normalization(data: DataSettings) -> tuple[tuple[float, ...], tuple[float, .
     return data.mean or MEAN, data.std or STD
 
 
+def mean_uint8(data: DataSettings) -> tuple[int, ...]:
+    """The run's mean colour as uint8, what random erasing fills with (MEAN_UINT8 by default)."""
+    return tuple(round(255 * m) for m in normalization(data)[0])
+
+
 INTERPOLATION = {
     "bilinear": v2.InterpolationMode.BILINEAR,
     "bicubic": v2.InterpolationMode.BICUBIC,
@@ -62,7 +67,7 @@ def build_train_transform(data: DataSettings) -> v2.Compose:
     if policy is not None:
         steps.append(policy)
     if data.random_erase > 0:
-        steps.append(v2.RandomErasing(data.random_erase, value=MEAN_UINT8))
+        steps.append(v2.RandomErasing(data.random_erase, value=mean_uint8(data)))
     return v2.Compose(steps)
 
 

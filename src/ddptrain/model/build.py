@@ -11,6 +11,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from ddptrain.config import Config
+from ddptrain.data.transforms import normalization
 from ddptrain.distributed.collectives import agree, rank0_first
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError, first_line
@@ -250,6 +252,34 @@ def _read_weights_file(path: Path) -> tuple[dict[str, torch.Tensor], str | None,
     class_to_idx = checkpoint.get("class_to_idx")
     classes = sorted(class_to_idx, key=class_to_idx.get) if isinstance(class_to_idx, dict) else None
     return checkpoint["model"], checkpoint.get("arch"), classes
+
+
+def file_preprocessing(path: Path) -> dict | None:
+    """The input a ddptrain run's weights were trained with, by flat setting key (interpolation,
+    mean, std): from an export's JSON or a checkpoint's settings. None for a file that does not
+    say (timm's own .safetensors), or that cannot be read (loading it later says why)."""
+    if path.suffix == ".safetensors":
+        try:
+            theirs = json.loads(path.with_suffix(".json").read_text())
+        except (OSError, ValueError):
+            return None
+    else:
+        try:  # mapped, not read or verified (loading it does): only its settings are wanted
+            checkpoint = safe_load(path, "ddptrain checkpoint", mmap=True)
+        except UserError:
+            return None
+        theirs = checkpoint.get("config") if isinstance(checkpoint, dict) else None
+    if not isinstance(theirs, dict):
+        return None
+    # A run without --mean and --std normalised by ImageNet's.
+    data = Config(mean=_triple(theirs.get("mean")), std=_triple(theirs.get("std"))).data
+    mean, std = normalization(data)
+    interpolation = theirs.get("interpolation") or "bilinear"
+    return {"interpolation": interpolation, "mean": tuple(mean), "std": tuple(std)}
+
+
+def _triple(values) -> tuple | None:
+    return tuple(values) if isinstance(values, (list, tuple)) and len(values) == 3 else None
 
 
 def _exported_classes(description: Path) -> list | None:

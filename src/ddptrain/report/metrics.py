@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ddptrain import faults
-from ddptrain.distributed.collectives import all_sum
+from ddptrain.distributed.collectives import all_sum, gather_from_all
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError, write_failed
 from ddptrain.state.files import atomic_write
@@ -62,14 +62,27 @@ class Sums:
         return summarize(self.values if env is None else self.totals(env))
 
 
+# Classes up to which the confusion counts are one dense C x C tensor; above, its square (8 bytes
+# a cell, 128 MB at 4096) outgrows the val set's own (true, predicted) pairs.
+DENSE_CONFUSION_LIMIT = 4096
+
+
 class EvalSums(Sums):
     """Sums, plus the confusion counts of the top-1 predictions (row: true class, column:
-    predicted), flattened after the four sums so that one all-reduce carries both. The counts
-    are held in the sums' float dtype, exact for counts below 2**53 (2**24 on mps)."""
+    predicted). Up to `dense_limit` classes the counts are flattened after the four sums so that
+    one all-reduce carries both, held in the sums' float dtype, exact for counts below 2**53
+    (2**24 on mps). Above it, each rank keeps its (true, predicted) pairs, gathered at the end:
+    memory and time grow with the val images, not the square of the classes."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, dense_limit: int = DENSE_CONFUSION_LIMIT):
         super().__init__(device)
         self.num_classes = 0  # known at the first batch, from the model's output
+        self.dense_limit = dense_limit
+        self.cells: list[torch.Tensor] = []  # flat true * C + predicted, above dense_limit
+
+    @property
+    def dense(self) -> bool:
+        return self.num_classes <= self.dense_limit
 
     def add_masked(
         self, loss_sum: torch.Tensor, output: torch.Tensor, target: torch.Tensor, valid
@@ -77,8 +90,10 @@ class EvalSums(Sums):
         output, classes = output.detach(), output.shape[1]
         if not self.num_classes:
             self.num_classes = classes
-            cells = torch.zeros(classes * classes, dtype=self.values.dtype, device=output.device)
-            self.values = torch.cat([self.values, cells])
+            if self.dense:
+                dtype, device = self.values.dtype, output.device
+                cells = torch.zeros(classes * classes, dtype=dtype, device=device)
+                self.values = torch.cat([self.values, cells])
         # The top-1 class of the same topk call that counts acc1, so the diagonal sums to it
         # even where logits tie.
         top = _top(output, (1, 5))
@@ -86,14 +101,26 @@ class EvalSums(Sums):
         self.values[1:3] += _hits(top, target, (1, 5))
         self.values[3] += valid.sum()
         cells = target[valid] * classes + top[valid, 0]
-        self.values[4:] += torch.bincount(cells, minlength=classes * classes).to(self.values.dtype)
+        if self.dense:
+            ones = torch.ones(cells.shape, dtype=self.values.dtype, device=cells.device)
+            self.values[4:].index_add_(0, cells, ones)
+        else:
+            self.cells.append(cells)
 
     def result(self, env: DistEnv) -> tuple[dict[str, float], torch.Tensor]:
-        """The summary over all ranks and the C x C confusion counts (int64, on the CPU). A
-        collective: every rank must call it, after the same number of batches."""
-        totals = self.totals(env)
-        confusion = totals[4:].round().to(torch.int64)
-        return summarize(totals[:4]), confusion.view(self.num_classes, self.num_classes)
+        """The summary over all ranks and the C x C confusion counts (int64, on the CPU; a
+        sparse tensor above dense_limit classes). A collective: every rank must call it, after
+        the same number of batches."""
+        totals, size = self.totals(env), (self.num_classes, self.num_classes)
+        if self.dense:
+            confusion = totals[4:].round().to(torch.int64)
+            return summarize(totals[:4]), confusion.view(size)
+        mine = torch.cat(self.cells).cpu() if self.cells else torch.zeros(0, dtype=torch.int64)
+        cells = torch.cat(gather_from_all(env, mine))
+        pairs = torch.stack([cells // self.num_classes, cells % self.num_classes])
+        ones = torch.ones_like(cells)
+        confusion = torch.sparse_coo_tensor(pairs, ones, size, check_invariants=True).coalesce()
+        return summarize(totals[:4]), confusion
 
 
 def summarize(totals: torch.Tensor) -> dict[str, float]:

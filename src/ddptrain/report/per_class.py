@@ -15,21 +15,27 @@ MAX_DENSE = 100  # classes; above, a dense matrix grows as the square of the cla
 
 
 def per_class_record(confusion: torch.Tensor, classes: list[str]) -> dict:
-    """The per-class figures of a C x C int64 confusion matrix (all ranks' counts)."""
-    assert confusion.shape == (len(classes), len(classes)), "one row and column per class"
-    right = confusion.diagonal()
-    recall = _ratios(right, confusion.sum(dim=1))
-    record: dict = {"classes": classes, "samples": int(confusion.sum())}
-    if len(classes) > MAX_DENSE:
-        cells = confusion.nonzero()
-        counts = confusion[cells[:, 0], cells[:, 1]]
-        record["confusion_cells"] = torch.cat([cells, counts[:, None]], dim=1).tolist()
+    """The per-class figures of a C x C int64 confusion matrix (all ranks' counts), dense or
+    sparse: the figures are computed from its non-zero cells, so a sparse one is never made
+    dense."""
+    size = len(classes)
+    assert confusion.shape == (size, size), "one row and column per class"
+    nonzero = confusion.to_sparse().coalesce()  # cells in row-major order
+    (true, predicted), counts = nonzero.indices(), nonzero.values()
+    hit = true == predicted
+    right = torch.zeros(size, dtype=torch.int64).index_add_(0, true[hit], counts[hit])
+    per_true = torch.zeros(size, dtype=torch.int64).index_add_(0, true, counts)
+    per_predicted = torch.zeros(size, dtype=torch.int64).index_add_(0, predicted, counts)
+    recall = _ratios(right, per_true)
+    record: dict = {"classes": classes, "samples": int(counts.sum())}
+    if size > MAX_DENSE:
+        record["confusion_cells"] = torch.stack([true, predicted, counts], dim=1).tolist()
     else:
-        record["confusion"] = confusion.tolist()
+        record["confusion"] = nonzero.to_dense().tolist()
     return {
         **record,
         "accuracy": recall,
-        "precision": _ratios(right, confusion.sum(dim=0)),
+        "precision": _ratios(right, per_predicted),
         "recall": recall,
     }
 

@@ -8,6 +8,7 @@ the Reporter. Before it exists, and in the commands, they take progress.say and 
 their caller instead: they never print.
 """
 
+import sys
 from pathlib import Path
 
 from ddptrain.distributed.collectives import agree
@@ -16,7 +17,7 @@ from ddptrain.errors import UserError
 from ddptrain.report.metrics import MetricsLog
 from ddptrain.report.progress import make_progress, say
 from ddptrain.report.records import SummaryCsv, TensorBoardSink
-from ddptrain.report.trackers import Tracker, tracker
+from ddptrain.report.trackers import Tracker, TrackerFailed, tracker
 
 
 class Reporter:
@@ -100,11 +101,16 @@ class Reporter:
             for record in records:
                 for sink in self.sinks:
                     sink.write(record)
-            for each in self.trackers:
-                each.write_epoch(records)
             for record in per_class:
                 if self.per_class is not None:
                     self.per_class.write(record)
+            # Only warned of: a tracker out of reach must not end the training before this
+            # epoch's checkpoint; metrics.jsonl keeps the epoch.
+            for each in self.trackers:
+                try:
+                    each.write_epoch(records)
+                except TrackerFailed as err:
+                    self.warn(f"{err}; training goes on (metrics.jsonl has the epoch)")
 
         agree(self.env, write, doing="writing metrics.jsonl, per_class.jsonl and summary.csv")
 
@@ -112,12 +118,15 @@ class Reporter:
         return [*self.sinks, *([] if self.per_class is None else [self.per_class]), *self.trackers]
 
     def close(self) -> None:
+        """Ends the records. It runs in the run's `finally`: the exception in flight there, if
+        any, is what ended the run, and the trackers mark their run stopped or failed by it."""
+        ended_by = sys.exc_info()[1]
         self.end_epoch()
         for sink in self.sinks:
             sink.close()
         for each in self.trackers:
             try:
-                each.close()
+                each.close(ended_by)
             except UserError as err:  # said, not raised: close runs as a failed run ends too
                 self.warn(str(err))
 

@@ -25,7 +25,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ddptrain.errors import UserError
+from ddptrain.errors import Stopped, UserError
 from ddptrain.report.records import scalars
 from ddptrain.state.files import atomic_write
 
@@ -48,6 +48,10 @@ def require(name: str):
         raise UserError(
             f"--log-to {name} needs the {name} package: pip install ddptrain[{name}]"
         ) from None
+
+
+class TrackerFailed(UserError):
+    """The tracker's library or server failed (not the run's own files)."""
 
 
 class Tracker:
@@ -84,12 +88,14 @@ class Tracker:
         self.logged = max(self.logged, epoch)
         self._save_state()
 
-    def close(self) -> None:
+    def close(self, ended_by: BaseException | None = None) -> None:
+        """Ends the tracked run as finished, or, where `ended_by` (what ended the run, if
+        anything did) says so, as stopped or failed."""
         if self.run_id is None:
             return
         try:
             with self._failing(f"ending run {self.run_id}"):
-                self.finish([self.out_dir / name for name in RECORD_FILES])
+                self.finish([self.out_dir / name for name in RECORD_FILES], outcome(ended_by))
         finally:
             self.run_id = None  # ended, or not to be tried again
 
@@ -103,7 +109,7 @@ class Tracker:
             raise
         except Exception as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise UserError(f"--log-to {self.name}: {doing} failed: {first}") from None
+            raise TrackerFailed(f"--log-to {self.name}: {doing} failed: {first}") from None
 
     def _save_state(self) -> None:
         state = _read_state(self.out_dir)
@@ -117,8 +123,19 @@ class Tracker:
     def log(self, values: dict[str, float], epoch: int) -> None:
         raise NotImplementedError
 
-    def finish(self, files: list[Path]) -> None:
+    def finish(self, files: list[Path], ended: str) -> None:
+        """Uploads files and ends the run; `ended`: "finished", "stopped" or "failed"."""
         raise NotImplementedError
+
+
+def outcome(ended_by: BaseException | None) -> str:
+    """How a run ended: "finished" (nothing ended it early), "stopped" (a stop signal, or an
+    interrupt, that a resume continues from) or "failed"."""
+    if ended_by is None:
+        return "finished"
+    if isinstance(ended_by, Stopped) or not isinstance(ended_by, Exception):
+        return "stopped"
+    return "failed"
 
 
 class MlflowTracker(Tracker):
@@ -159,11 +176,13 @@ class MlflowTracker(Tracker):
         # synchronous, whatever MLFLOW_ENABLE_ASYNC_LOGGING says: stored before it returns
         self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
 
-    def finish(self, files: list[Path]) -> None:
+    def finish(self, files: list[Path], ended: str) -> None:
         for path in files:
             if path.is_file():
                 self.client.log_artifact(self.run_id, str(path))
-        self.client.set_terminated(self.run_id)
+        # set_terminated's default status is FINISHED, whatever ended the run.
+        status = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}[ended]
+        self.client.set_terminated(self.run_id, status=status)
 
 
 class WandbTracker(Tracker):
@@ -188,11 +207,12 @@ class WandbTracker(Tracker):
     def log(self, values: dict[str, float], epoch: int) -> None:
         self.run.log({**values, "epoch": epoch}, step=epoch, commit=True)
 
-    def finish(self, files: list[Path]) -> None:
+    def finish(self, files: list[Path], ended: str) -> None:
         for path in files:  # the run's files folder is what W&B uploads (or `wandb sync`s)
             if path.is_file():
                 shutil.copy2(path, Path(self.run.dir) / path.name)
-        self.run.finish()
+        # W&B marks a run failed by a non-zero exit code; an agreed stop exits 0, as ddptrain.
+        self.run.finish(exit_code=1 if ended == "failed" else 0)
 
 
 def tracker(name: str, out_dir: Path, settings: dict, resumed: bool) -> Tracker:

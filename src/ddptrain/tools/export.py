@@ -5,7 +5,9 @@ torchvision, `torchvision.models.get_model(arch, num_classes=num_classes)`; for 
 `timm.create_model(timm_name, **create_model_kwargs)`, the class count and, for models built for
 one image size, img_size); safetensors files hold tensors only, so loading one never runs code.
 W.json, beside it, says which model it is (library, arch, num_classes) and how to feed it:
-classes (names in index order), image_size, val_resize, interpolation, mean, std.
+classes (names in index order), image_size, val_resize, interpolation, mean, std; and
+model_image_size, the size the model was built and trained for (--image-size), which differs from
+image_size, the evaluation's crop, where --val-crop was given.
 """
 
 import json
@@ -76,6 +78,8 @@ def describe(checkpoint: dict, path: Path) -> dict:
         "library": maker.library,
         "arch": arch,
         "num_classes": num_classes,
+        # What the model was built for (a ViT's position embedding: one entry per patch).
+        "model_image_size": int(data.image_size),
         **built_by,
         "classes": sorted(class_to_idx, key=class_to_idx.get),
         # What the model was evaluated on (the val preset): resize the short side, centre-crop.

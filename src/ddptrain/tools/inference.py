@@ -64,7 +64,10 @@ def load_trained(path: Path, ema: bool = False, what: str = "MODEL") -> Trained:
         description = describe(checkpoint, path)
         weights = _checkpoint_weights(checkpoint, path, ema)
     arch, num_classes = description["arch"], description["num_classes"]
-    model = build_model(arch, num_classes, description["image_size"], pretrained=False)
+    # Built for the training size, which the val crop need not be; exports written before
+    # model_image_size was recorded name only the crop.
+    size = description.get("model_image_size", description["image_size"])
+    model = build_model(arch, num_classes, size, pretrained=False)
     try:
         model.load_state_dict(weights)
     except RuntimeError as err:

@@ -1,7 +1,9 @@
 """predict's rows as a file, by its extension: CSV (a header row), JSON Lines or Parquet.
 
 Columns: `path`, then `top1`, `prob1`, ..., `topK`, `probK`, and `error` when an input could not
-be read (its classes left empty). The file is written whole, atomically: a run that stops
+be read (its classes left empty). A file name that is not UTF-8 is written as its bytes in CSV,
+as surrogate escapes in JSON Lines, and with backslash escapes (`caf\\xe9.png`) in Parquet,
+whose strings must be UTF-8. The file is written whole, atomically: a run that stops
 leaves the earlier file or none, never a partial one that looks complete.
 """
 
@@ -55,10 +57,19 @@ def _parquet(rows: list[dict], names: list[str]) -> bytes:
     schema = pa.schema(
         [(name, pa.float64() if name.startswith("prob") else pa.string()) for name in names]
     )
+    rows = [{name: _utf8(value) for name, value in row.items()} for row in rows]
     table = pa.Table.from_pylist(rows, schema=schema)
     buffer = io.BytesIO()
     pq.write_table(table, buffer)
     return buffer.getvalue()
+
+
+def _utf8(value):
+    """A string with surrogate escapes (a file name's bytes that are not UTF-8) backslash-escaped;
+    other values as they are."""
+    if not isinstance(value, str):
+        return value
+    return value.encode(errors="surrogateescape").decode(errors="backslashreplace")
 
 
 def _pyarrow():
