@@ -101,6 +101,7 @@ def _train(
     config = resolved.config
     run = _build(resolved, env, phases, stop, faults)
     state = run.state
+    ended_by = None  # what ended the run early, for the trackers' record of it
     try:
         if config.checkpoint.evaluate:
             return _evaluate_only(run, state)
@@ -110,6 +111,9 @@ def _train(
         if env.is_main:
             run.reporter.info(_plan(config, env, run.data.num_classes, run.precision.amp))
         return trainer.fit(run, state)
+    except BaseException as err:
+        ended_by = err
+        raise
     finally:
         if run.profiler is not None:
             run.profiler.close()
@@ -117,7 +121,7 @@ def _train(
                 run.reporter.info(
                     f"--profile {config.report.profile}: trace in {run.profiler.path}"
                 )
-        run.reporter.close()
+        run.reporter.close(ended_by)
 
 
 def _build(

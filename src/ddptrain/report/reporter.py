@@ -8,7 +8,6 @@ the Reporter. Before it exists, and in the commands, they take progress.say and 
 their caller instead: they never print.
 """
 
-import sys
 from pathlib import Path
 
 from ddptrain.distributed.collectives import agree
@@ -117,10 +116,9 @@ class Reporter:
     def _logs(self) -> list:
         return [*self.sinks, *([] if self.per_class is None else [self.per_class]), *self.trackers]
 
-    def close(self) -> None:
-        """Ends the records. It runs in the run's `finally`: the exception in flight there, if
-        any, is what ended the run, and the trackers mark their run stopped or failed by it."""
-        ended_by = sys.exc_info()[1]
+    def close(self, ended_by: BaseException | None = None) -> None:
+        """Ends the records. ended_by: the exception that ended the run, if one did; the
+        trackers mark their run stopped or failed by it."""
         self.end_epoch()
         for sink in self.sinks:
             sink.close()
