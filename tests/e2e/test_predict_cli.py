@@ -181,3 +181,20 @@ def test_a_table_set_is_predicted_as_its_folder(one_rank, trained, tiny_parquet,
     for table, files in zip(rows[24:], one_rank[:15], strict=True):
         assert [table[f"top{k}"] for k in (1, 2, 3)] == [files[f"top{k}"] for k in (1, 2, 3)]
         assert table["prob1"] == pytest.approx(float(files["prob1"]), abs=1e-6)
+
+
+def test_a_packed_set_at_a_url_is_predicted_as_on_the_disk(
+    trained, tiny_packed, http_server, tmp_path
+):
+    url = http_server(tiny_packed)
+    rows = {}
+    for where, given in (("disk", tiny_packed), ("url", url)):
+        out = tmp_path / f"{where}.jsonl"
+        ok(ddptrain("predict", trained / "checkpoint.pt", given, "--out", out, "-j", 0))
+        rows[where] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows["url"]) == 39
+    for disk, remote in zip(rows["disk"], rows["url"], strict=True):
+        assert remote["path"] == url + disk["path"].removeprefix(str(tiny_packed))
+        assert {k: v for k, v in remote.items() if k != "path"} == {
+            k: v for k, v in disk.items() if k != "path"
+        }

@@ -1,12 +1,13 @@
 """`ddptrain predict MODEL INPUT... --out FILE`: the top-k classes of every input image.
 
-Inputs are image files, folders (walked for image files, in sorted order) and the data sets on a
-disk that train takes as DATA besides folders (a packed set, a table set: data/sources.py; their
-splits in order, each in the order training reads it). They are listed alike on every rank and
-cut into contiguous shards (data/sampler.py `shard`: each input exactly once, no padding); each
-rank runs its shard through the model with the val transform it was evaluated with, and rank 0
-gathers the rows in input order and writes them (tools/prediction_files.py). No collective runs
-between batches, so the model runs unwrapped and the last batch may be short.
+Inputs are image files, folders (walked for image files, in sorted order) and the data sets
+that train takes as DATA besides folders (a packed set on a disk or at a URL, a table set:
+data/sources.py; their splits in order, each in the order training reads it). They are listed
+alike on every rank and cut into contiguous shards (data/sampler.py `shard`: each input exactly
+once, no padding); each rank runs its shard through the model with the val transform it was
+evaluated with, and rank 0 gathers the rows in input order and writes them
+(tools/prediction_files.py). No collective runs between batches, so the model runs unwrapped
+and the last batch may be short.
 """
 
 import contextlib
@@ -20,9 +21,10 @@ from torch.utils.data import Dataset, Subset
 
 from ddptrain.config import MAX_IMAGE_PIXELS, Config, LaunchSettings
 from ddptrain.data.folder import EXTENSIONS, image_problem, load_rgb
+from ddptrain.data.remote import Remote, is_url
 from ddptrain.data.sampler import shard
 from ddptrain.data.shard_index import INDEX
-from ddptrain.data.sources import source_at
+from ddptrain.data.sources import packed_at_url, source_at
 from ddptrain.data.split import SPLITS
 from ddptrain.data.tables import is_table_set
 from ddptrain.data.workers import Loader
@@ -113,7 +115,8 @@ def list_inputs(inputs: list[str], max_pixels: int = MAX_IMAGE_PIXELS) -> Inputs
     for given in inputs:
         source = _data_set(given, max_pixels)
         if source is not None:
-            base = given if os.path.isdir(given) else os.path.dirname(given)  # an index file's
+            named_index = given.endswith(".json")  # an index file's samples are beside it
+            base = os.path.dirname(given) if named_index else given.rstrip("/")
             for split in (split for split in SPLITS if source.has(split)):
                 names = source.names([split])
                 found.paths += [os.path.join(base, name) for name in names]
@@ -136,8 +139,11 @@ def list_inputs(inputs: list[str], max_pixels: int = MAX_IMAGE_PIXELS) -> Inputs
 
 
 def _data_set(given: str, max_pixels: int):
-    """The data source of a packed set (its folder or index file) or a table set; None for
-    anything else, image folders included (walked as folders, which names their images alike)."""
+    """The data source of a packed set (its folder or index file, on a disk or at a URL) or a
+    table set; None for anything else, image folders included (walked as folders, which names
+    their images alike)."""
+    if is_url(given):
+        return packed_at_url(Remote(given), max_pixels)
     root = Path(given)
     packed = (root / INDEX).is_file() or (root.suffix == ".json" and root.is_file())
     if packed or (root.is_dir() and is_table_set(root)):
