@@ -54,7 +54,7 @@ from ddptrain.state.lock import unlock_out_dir
 from ddptrain.state.resume import check_continuable, check_trainable, roll_back
 from ddptrain.train import trainer
 from ddptrain.train.ema import build_ema
-from ddptrain.train.finetune import Freezing, head_names, lr_layers
+from ddptrain.train.finetune import fine_tuning
 from ddptrain.train.loss import build_criterion
 from ddptrain.train.optim import build_optimizer, keep_given, rebased, settings
 from ddptrain.train.preempt import StopRequests
@@ -148,16 +148,15 @@ def _build(
     if config.model.pretrained and saved is None:
         _load_pretrained(model, config, loaders, env, reporter)
     parameters = sum(p.numel() for p in model.parameters())
-    # Named before wrapping: the LR group of each parameter, and the backbone frozen as it was
-    # where the run starts (DDP is built for the parameters that train).
-    layers, freezing = _finetuning(config, model)
-    if freezing is not None:
-        freezing.enter(_saved_epoch(position, saved))
-        if not config.model.pretrained and saved is None:
-            reporter.warn(
-                "--freeze-backbone without --pretrained: the frozen backbone keeps the random "
-                "weights it was built with; give --pretrained [FILE]"
-            )
+    # Before wrapping: DDP is built for the parameters that train where the run starts.
+    layers, freezing = fine_tuning(
+        config.optim, provider(config.model.arch), model, _saved_epoch(position, saved)
+    )
+    if freezing is not None and not config.model.pretrained and saved is None:
+        reporter.warn(
+            "--freeze-backbone without --pretrained: the frozen backbone keeps the random "
+            "weights it was built with; give --pretrained [FILE]"
+        )
     # Under fsdp the EMA averages into a twin of the model, sharded alike: its structure is
     # copied before sharding, as FSDP2 refuses to copy a sharded model.
     structure = (
@@ -239,27 +238,6 @@ def _build(
         freezing=freezing,
         rewrap=lambda m: rewrapped(m, config.parallel, example, sharding["amp_dtype"]),
     )
-
-
-def _finetuning(config: Config, model: torch.nn.Module) -> tuple[dict | None, Freezing | None]:
-    """The LR group of each parameter (--layer-decay, --head-lr-scale) and the backbone's
-    freezing (--freeze-backbone), from what the model's provider says of it; (None, None)
-    without these flags, which leave the model's layers and head unasked."""
-    optim = config.optim
-    if optim.layer_decay is None and optim.head_lr_scale == 1.0 and not optim.freeze_backbone:
-        return None, None
-    source = provider(config.model.arch)
-    heads = source.classifier(model)
-    layers = lr_layers(
-        source.layer_ids(model),
-        head_names(model, heads),
-        optim.layer_decay,
-        optim.head_lr_scale,
-    )
-    freezing = None
-    if optim.freeze_backbone:
-        freezing = Freezing(model, heads, optim.unfreeze_epoch)
-    return layers, freezing
 
 
 def _saved_epoch(position: TrainState, saved: dict | None) -> int:

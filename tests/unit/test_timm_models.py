@@ -9,7 +9,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from timm.optim import param_groups_layer_decay
 
-from ddptrain import run
 from ddptrain.config import Config
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
@@ -18,6 +17,7 @@ from ddptrain.model.providers import TIMM, TORCHVISION, provider
 from ddptrain.parallel.fsdp import shard_units
 from ddptrain.resolve import published_preprocessing
 from ddptrain.tools.export import export
+from ddptrain.train.finetune import fine_tuning
 
 
 def test_the_name_picks_the_provider():
@@ -207,9 +207,10 @@ def test_pretrained_file_takes_timms_own_model_safetensors(tmp_path):
 def test_both_heads_of_a_distilled_model_are_its_head(arch):
     """get_classifier() of a distilled model is a tuple (head, head_dist): both are the head."""
     model = build_model(arch, 3, 32, False, meta=True)
-    assert run._finetuning(Config(arch=arch), model) == (None, None)  # no flags: no head needed
+    no_flags = Config(arch=arch).optim
+    assert fine_tuning(no_flags, TIMM, model, epoch=0) == (None, None)  # no head needed
     config = Config(arch=arch, freeze_backbone=True, head_lr_scale=10)
-    layers, freezing = run._finetuning(config, model)
+    layers, freezing = fine_tuning(config.optim, TIMM, model, epoch=0)
     names = {name for name, _ in model.named_parameters()}
     both = {name for name in names if name.startswith(("head.", "head_dist."))}
     assert len(both) >= 4 and freezing.head == both

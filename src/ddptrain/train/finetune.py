@@ -4,6 +4,9 @@ each parameter is in and which module is the head; the rest is the same for ever
 
 from torch import nn
 
+from ddptrain.config import OptimSettings
+from ddptrain.model.providers import Timm, Torchvision
+
 
 def head_names(model: nn.Module, heads: tuple[nn.Module, ...]) -> set[str]:
     """The names of the parameters of `heads`, modules of `model`, as model names them."""
@@ -73,3 +76,22 @@ class Freezing:
         if self.frozen:
             for norm in self.norms:
                 norm.eval()
+
+
+def fine_tuning(
+    optim: OptimSettings, source: Torchvision | Timm, model: nn.Module, epoch: int
+) -> tuple[dict[str, tuple[str, float]] | None, Freezing | None]:
+    """The LR group of each parameter (--layer-decay, --head-lr-scale) and the backbone's
+    freezing (--freeze-backbone), entered for `epoch`, from what the model's provider says of
+    it. (None, None) without these flags, which leave the model's layers and head unasked."""
+    if optim.layer_decay is None and optim.head_lr_scale == 1.0 and not optim.freeze_backbone:
+        return None, None
+    heads = source.classifier(model)
+    layers = lr_layers(
+        source.layer_ids(model), head_names(model, heads), optim.layer_decay, optim.head_lr_scale
+    )
+    freezing = None
+    if optim.freeze_backbone:
+        freezing = Freezing(model, heads, optim.unfreeze_epoch)
+        freezing.enter(epoch)
+    return layers, freezing
