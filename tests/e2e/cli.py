@@ -164,9 +164,30 @@ def wait_stopped(job: subprocess.Popen, timeout: float = DEADLINE) -> int:
     deadline = time.monotonic() + timeout
     while not (stopped := [p for p in _descendants(job.pid) if process_state(p) == "T"]):
         assert job.poll() is None, f"the job ended first (exit {job.returncode})"
-        assert time.monotonic() < deadline, "no process of the job stopped"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no process of the job stopped\n{stacks_then_kill(job)}")
         time.sleep(0.05)
     return stopped[0]
+
+
+def stacks_then_kill(job: subprocess.Popen) -> str:
+    """What a hung job's processes were doing (py-spy's dump of each, Python and native
+    frames), then the job killed and its stderr: for the failure message of a hang."""
+    dumps = []
+    for pid in [job.pid, *_descendants(job.pid)]:
+        try:
+            dump = subprocess.run(
+                [Path(sys.executable).with_name("py-spy"), "dump", "--native", "--pid", str(pid)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            dumps.append(f"--- process {pid} ({process_state(pid)}):\n{dump.stdout}{dump.stderr}")
+        except (OSError, subprocess.TimeoutExpired) as err:
+            dumps.append(f"--- process {pid}: no stack ({err})")
+    kill_tree(job.pid)
+    _, stderr = job.communicate()
+    return "\n".join([*dumps, f"--- the job's stderr:\n{stderr}"])
 
 
 def wait_pending(pid: int, signum: int, timeout: float = 30) -> None:
