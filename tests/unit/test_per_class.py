@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from ddptrain.report import plot_classes
 from ddptrain.report.per_class import MAX_DENSE, confusion_of, per_class_record
 from ddptrain.report.plot import plot_per_class
 from ddptrain.report.plot_classes import last_evaluation
@@ -51,3 +52,26 @@ def test_plot_draws_the_last_evaluation(tmp_path, size):
     assert out == tmp_path / "per_class.png"
     assert out.read_bytes().startswith(PNG)
     assert plot_per_class(tmp_path / "missing") is None
+
+
+def test_the_figure_of_21k_classes_comes_from_the_non_zero_cells(monkeypatch):
+    """ImageNet-21k's 21,843 classes: a dense matrix would be 3.8 GB of counts."""
+    size = 21_843
+    cells = [[i, i, 1] for i in range(0, size, 7)] + [[5, 9, 4], [20_000, 3, 6], [7, 8, 4]]
+    record = {
+        "split": "val",
+        "epoch": 1,
+        "classes": [f"n{i}" for i in range(size)],
+        "confusion_cells": cells,
+        "recall": [0.5] * size,
+    }
+
+    def dense(record):
+        raise AssertionError("a dense matrix of 21,843 classes")
+
+    monkeypatch.setattr(plot_classes, "confusion_of", dense)
+    figure = plot_classes.draw_classes(record, "run")
+    pairs = figure.axes[1]
+    labels = [label.get_text() for label in pairs.get_yticklabels()]
+    assert labels == ["n20000 -> n3", "n5 -> n9", "n7 -> n8"]  # by count, ties in row order
+    assert [bar.get_width() for bar in pairs.patches] == [6, 4, 4]

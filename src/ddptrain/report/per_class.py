@@ -44,14 +44,24 @@ def _ratios(parts: torch.Tensor, wholes: torch.Tensor) -> list[float | None]:
     return [None if w == 0 else p / w for p, w in zip(parts.tolist(), wholes.tolist(), strict=True)]
 
 
+def cells_of(record: dict) -> list[tuple[int, int, int]]:
+    """The non-zero cells (true, predicted, count) of a per_class.jsonl record, stored either
+    way, in row-major order."""
+    if "confusion_cells" in record:
+        return [(int(t), int(p), int(c)) for t, p, c in record["confusion_cells"]]
+    return [
+        (true, predicted, count)
+        for true, row in enumerate(record["confusion"])
+        for predicted, count in enumerate(row)
+        if count
+    ]
+
+
 def confusion_of(record: dict) -> torch.Tensor:
-    """The dense C x C matrix of a per_class.jsonl record, stored either way."""
-    if "confusion" in record:
-        return torch.tensor(record["confusion"], dtype=torch.int64).view(
-            len(record["classes"]), len(record["classes"])
-        )
+    """The dense C x C matrix of a per_class.jsonl record, stored either way: C squared
+    numbers, for few classes only."""
     size = len(record["classes"])
     confusion = torch.zeros(size, size, dtype=torch.int64)
-    for true, predicted, count in record["confusion_cells"]:
+    for true, predicted, count in cells_of(record):
         confusion[true, predicted] = count
     return confusion

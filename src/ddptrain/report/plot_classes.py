@@ -5,13 +5,14 @@ grid would be unreadable (1,000 classes are a million cells): the WORST classes 
 the most confused pairs of classes (true -> predicted), as bars.
 """
 
+import heapq
 import json
 from pathlib import Path
 
 import torch
 from matplotlib.figure import Figure
 
-from ddptrain.report.per_class import confusion_of
+from ddptrain.report.per_class import cells_of, confusion_of
 
 MAX_GRID = 30  # classes drawn as a matrix, each cell still a few pixels wide
 WORST = 20  # classes and pairs shown above MAX_GRID
@@ -35,15 +36,14 @@ def last_evaluation(run_dir: Path) -> dict | None:
 
 
 def draw_classes(record: dict, title: str) -> Figure:
-    classes, confusion = record["classes"], confusion_of(record)
     figure = Figure(figsize=(15, 7), layout="constrained")
     left, right = figure.subplots(1, 2)
-    if len(classes) <= MAX_GRID:
-        _matrix(left, confusion, classes)
+    if len(record["classes"]) <= MAX_GRID:
+        _matrix(left, confusion_of(record), record["classes"])
         _precision_recall(right, record)
-    else:
+    else:  # from the non-zero cells: a dense matrix of 21k classes would take gigabytes
         _worst_classes(left, record)
-        _confused_pairs(right, confusion, classes)
+        _confused_pairs(right, record)
     split = "EMA weights" if record["split"] == "val_ema" else "val"
     figure.suptitle(f"ddptrain: {title}, per class ({split}, epoch {record['epoch']})")
     return figure
@@ -89,18 +89,13 @@ def _worst_classes(ax, record: dict) -> None:
     ax.set(title=f"The {len(worst)} worst classes (recall = accuracy)", xlabel="%", xlim=(0, 100))
 
 
-def _confused_pairs(ax, confusion: torch.Tensor, classes: list[str]) -> None:
-    errors = confusion.clone()
-    errors.fill_diagonal_(0)
-    counts, cells = errors.flatten().topk(min(WORST, errors.numel()))
-    pairs = [
-        (count, divmod(cell, len(classes)))
-        for count, cell in zip(counts.tolist(), cells.tolist(), strict=True)
-        if count > 0
-    ]
-    ax.barh(range(len(pairs)), [count for count, _ in pairs])
+def _confused_pairs(ax, record: dict) -> None:
+    classes = record["classes"]
+    errors = [(count, true, guess) for true, guess, count in cells_of(record) if true != guess]
+    pairs = heapq.nlargest(WORST, errors, key=lambda error: error[0])  # ties: row-major order
+    ax.barh(range(len(pairs)), [count for count, _, _ in pairs])
     ax.set_yticks(
-        range(len(pairs)), [f"{classes[true]} -> {classes[guess]}" for _, (true, guess) in pairs]
+        range(len(pairs)), [f"{classes[true]} -> {classes[guess]}" for _, true, guess in pairs]
     )
     ax.invert_yaxis()
     ax.set(title=f"The {len(pairs)} most confused pairs (true -> predicted)", xlabel="images")
