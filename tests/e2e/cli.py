@@ -170,6 +170,16 @@ def wait_stopped(job: subprocess.Popen, timeout: float = DEADLINE) -> int:
     return stopped[0]
 
 
+def ended(job: subprocess.Popen, timeout: float = DEADLINE) -> tuple[str, str]:
+    """The job's (stdout, stderr) once it ends; a job still running after timeout seconds
+    fails the test with its processes' stacks."""
+    try:
+        return job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        message = f"the job did not end within {timeout:.0f} s\n{stacks_then_kill(job)}"
+        raise AssertionError(message) from None
+
+
 def stacks_then_kill(job: subprocess.Popen) -> str:
     """What a hung job's processes were doing (py-spy's dump of each, Python and native
     frames), then the job killed and its stderr: for the failure message of a hang."""

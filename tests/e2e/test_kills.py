@@ -19,6 +19,7 @@ from cli import (
     assert_same_training,
     assert_same_weights,
     ddptrain,
+    ended,
     env_with,
     kill_tree,
     ok,
@@ -199,7 +200,7 @@ def test_a_signal_to_the_spawning_process_reaches_every_rank(tiny_data, tmp_path
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()
             time.sleep(0.2)
         job.send_signal(signum)
-        stdout, stderr = job.communicate(timeout=DEADLINE)
+        stdout, stderr = ended(job)
     finally:
         kill_tree(job.pid)
     if signum == signal.SIGTERM:  # every rank stops at one step, saved
@@ -234,7 +235,7 @@ def test_sigterm_to_every_process_with_loader_workers_stops_the_job_saved(
         signal_tree(job.pid, signal.SIGTERM)
         wait_pending(stalled, signal.SIGTERM)
         signal_tree(job.pid, signal.SIGCONT)
-        _, stderr = job.communicate(timeout=DEADLINE)
+        _, stderr = ended(job)
     finally:
         kill_tree(job.pid)
     _assert_stopped_then_resumed(tiny_data, out, uninterrupted, stderr, stops_after)
@@ -251,7 +252,7 @@ def test_sigterm_to_torchrun_with_loader_workers_stops_the_job_saved(
         job.send_signal(signal.SIGTERM)
         wait_pending(stalled, signal.SIGTERM)
         signal_tree(job.pid, signal.SIGCONT)
-        _, stderr = job.communicate(timeout=DEADLINE)
+        _, stderr = ended(job)
     finally:
         kill_tree(job.pid)
     _assert_stopped_then_resumed(tiny_data, out, uninterrupted, stderr, 5)
