@@ -35,8 +35,13 @@ BACKENDS = ("gloo", "nccl", "xccl", "mpi", "ucc")
 AMP = ("auto", "none", "bf16", "fp16")
 STRATEGIES = ("ddp", "fsdp")
 # The settings, besides the model, batch and precision, that change what a rank holds: `ddptrain
-# plan` takes them as flags, as train does, and traces them as a run sets them.
-MEMORY_SETTINGS = ("opt", "momentum", "model_ema", "accum_steps", "reshard_after_forward")
+# plan` takes them as flags, as train does, and traces them as a run sets them. Its
+# freeze_backbone is a backbone frozen for the whole run: a run with --unfreeze-epoch is planned
+# unfrozen, its larger part (run.py).
+MEMORY_SETTINGS = (
+    "opt", "momentum", "model_ema", "accum_steps", "reshard_after_forward", "freeze_backbone",
+    "grad_checkpointing",
+)  # fmt: skip
 CHECKPOINT_FORMATS = ("full", "sharded")
 BAD_IMAGES = ("error", "skip")
 DECODE_DEVICES = ("cpu", "cuda")

@@ -387,7 +387,7 @@ def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
         config.optim.batch_size // env.world_size,
         config.data.image_size,
         amp,
-        **{name: config.to_dict()[name] for name in MEMORY_SETTINGS},
+        **_memory_settings(config),
     )
     try:
         line = plan_line(
@@ -402,6 +402,16 @@ def _plan(config: Config, env: DistEnv, num_classes: int, amp: str) -> str:
     if config.parallel.fsdp_offload:  # a trace holds everything on one device
         line += "; --fsdp-offload keeps the model state in host memory, not on the device"
     return line
+
+
+def _memory_settings(config: Config) -> dict:
+    """The run's MEMORY_SETTINGS as the planner takes them. Its --freeze-backbone is for the
+    whole run: a backbone that --unfreeze-epoch trains later is planned unfrozen, the larger of
+    the run's two parts (gradients and optimizer state for every parameter)."""
+    given = config.to_dict()
+    memory = {name: given[name] for name in MEMORY_SETTINGS}
+    memory["freeze_backbone"] = config.optim.freeze_backbone and config.optim.unfreeze_epoch is None
+    return memory
 
 
 def _restore(checkpointer, saved, scheduler, start: TrainState) -> TrainState:

@@ -3,7 +3,8 @@
     python tests/e2e/real_step.py '{"arch": "resnet18", "per_rank_batch": 4, "image_size": 32,
                                     "num_classes": 10}'
 
-and optionally "opt", "model_ema", "accum_steps" as the train flags of those names.
+and optionally "opt", "model_ema", "accum_steps", "freeze_backbone" (for the whole run) and
+"grad_checkpointing" as the train flags of those names, set as run.py sets them.
 
 prints one JSON object of bytes. The rank is a real DDP (gloo, gradient_as_bucket_view=True, as
 ddptrain wraps with two or more ranks, its buckets laid out by ddptrain's backward of a blank
@@ -19,15 +20,17 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.config import Config
 from ddptrain.distributed.env import DistEnv
 from ddptrain.model.build import build_model
 from ddptrain.model.precision import run_precision
+from ddptrain.model.providers import provider
 from ddptrain.parallel.parallelize import lay_out_buckets
+from ddptrain.tools.trace import Tracker as MemTracker  # torch's, frozen parameters allowed
 from ddptrain.train.ema import build_ema
+from ddptrain.train.finetune import fine_tuning
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.step import Step
 
@@ -44,6 +47,8 @@ def measure(
     opt: str = "sgd",
     model_ema: bool = False,
     accum_steps: int = 1,
+    freeze_backbone: bool = False,
+    grad_checkpointing: bool = False,
 ) -> dict:
     torch.manual_seed(0)
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
@@ -51,13 +56,19 @@ def measure(
     config = Config(
         arch=arch, image_size=image_size, device="cpu", amp="none",  # as planned
         opt=opt, model_ema=model_ema, model_ema_steps=1, accum_steps=accum_steps,
+        freeze_backbone=freeze_backbone, grad_checkpointing=grad_checkpointing,
     )  # fmt: skip
     model = build_model(arch, num_classes, image_size, pretrained=False)
+    if grad_checkpointing:
+        provider(arch).set_grad_checkpointing(model, arch)
+    _, freezing = fine_tuning(config.optim, provider(arch), model, epoch=0)
     precision = run_precision(config, model, device)
     model = DistributedDataParallel(precision.place(model, device), gradient_as_bucket_view=True)
+    if freezing is not None:
+        freezing.train(model)
     blank = torch.zeros(2, 3, image_size, image_size, dtype=torch.uint8)
     lay_out_buckets(model, precision.inputs(blank, device), None)
-    optimizer, _ = build_optimizer(model, config.optim)
+    optimizer, _ = build_optimizer(model, config.optim, frozen_too=freezing is not None)
     ema = build_ema(model.module, config.optim, DistEnv(0, 1, 0, 1, device), steps_per_epoch=1)
     averaged = [] if ema is None else [ema.module]
     shape = (per_rank_batch, 3, image_size, image_size)

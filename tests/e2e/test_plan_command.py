@@ -62,6 +62,49 @@ def test_plan_json_matches_a_measured_ddp_step(run):
     assert fsdp["all_gather_peak"] > 0 and fsdp["peak"] < ddp["peak"]
 
 
+def planned(**run) -> dict:
+    """`ddptrain plan --json` for MODEL on 2 ranks, with train's flags `run` (flat keys)."""
+    flags = ["-a", MODEL["arch"], "--world-size", 2, "-b", 2 * MODEL["per_rank_batch"]]
+    flags += ["--image-size", MODEL["image_size"], "--num-classes", MODEL["num_classes"]]
+    for key, value in run.items():
+        flag = "--" + key.replace("_", "-")
+        flags += [flag] if value is True else [flag, value]
+    return json.loads(ok(ddptrain("plan", *flags, "--json")).stdout)
+
+
+HEAD = (512 * MODEL["num_classes"] + MODEL["num_classes"]) * 4  # resnet18's fc, fp32 bytes
+
+
+def test_a_frozen_backbone_is_planned_as_measured_with_state_for_the_head_only():
+    run = {"freeze_backbone": True}
+    frozen, whole = planned(**run)["ddp"], planned()["ddp"]
+    measured = measured_ddp_step(**MODEL, **run)
+    for key in ("params", "buffers", "grads", "optimizer"):
+        assert frozen[key] == measured[key], key
+    for key in ("activations", "peak"):  # as in test_plan_json_matches_a_measured_ddp_step
+        assert frozen[key] == pytest.approx(measured[key], rel=0.02), key
+    # Gradients, buckets and SGD's momentum for the head alone; the backbone saves nothing for
+    # a backward that does not reach it.
+    assert frozen["grads"] == frozen["optimizer"] == HEAD
+    assert frozen["params"] == whole["params"]
+    assert frozen["activations"] < whole["activations"] / 10
+    assert frozen["peak"] < whole["peak"] / 2
+
+
+def test_checkpointing_is_planned_as_measured_with_fewer_activations():
+    run = {"grad_checkpointing": True}
+    checkpointed, whole = planned(**run)["ddp"], planned()["ddp"]
+    measured = measured_ddp_step(**MODEL, **run)
+    for key in ("grads", "optimizer"):
+        assert checkpointed[key] == measured[key], key
+    for key in ("activations", "peak"):
+        assert checkpointed[key] == pytest.approx(measured[key], rel=0.02), key
+    # Each block keeps its input for backward, not what it computes from it.
+    assert checkpointed["activations"] < 0.75 * whole["activations"]
+    for key in ("params", "grads", "optimizer"):
+        assert checkpointed[key] == whole[key], key
+
+
 @pytest.mark.parametrize(
     ("arch", "size"),
     [("inception_v3", 32), ("vit_b_32", 40)],  # its step fails; its build fails (patches)

@@ -1,6 +1,7 @@
 """`ddptrain plan`'s flags, table, JSON and fit search, over a stand-in for the traced figures
 (tests/e2e/test_plan.py runs the real trace)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -293,3 +294,56 @@ def test_a_trace_past_its_deadline_fails_in_one_line():
     request.update(amp="none", strategies=["ddp"])
     with pytest.raises(RuntimeError, match=r"^the memory trace took longer than 0 s$"):
         planner._trace_in_child(request, deadline=time.monotonic() - 1)
+
+
+def test_plan_takes_a_frozen_backbone_and_checkpointing_as_train_does(traces):
+    command, request = parse(
+        ["plan", "-a", "resnet18", "-b", "8", "--freeze-backbone", "--grad-checkpointing"]
+    )
+    assert request.workload == Workload(
+        "resnet18", 1000, 1, 8, 224, "none", freeze_backbone=True, grad_checkpointing=True
+    )
+    plain = parse(["plan", "-a", "resnet18"])[1].workload
+    assert not plain.freeze_backbone and not plain.grad_checkpointing
+    text = planner.table(request, planner.plan(request))
+    assert "--freeze-backbone, --grad-checkpointing" in text.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "planned_frozen"),
+    [
+        ({}, False),
+        ({"freeze_backbone": True}, True),
+        # It trains the whole model from epoch 2: planned as the larger, unfrozen part.
+        ({"freeze_backbone": True, "unfreeze_epoch": 2}, False),
+    ],
+)
+def test_a_run_plans_its_backbone_frozen_only_when_it_stays_frozen(
+    monkeypatch, flags, planned_frozen
+):
+    import torch
+
+    from ddptrain.config import Config
+    from ddptrain.distributed.env import DistEnv
+    from ddptrain.run import _plan
+
+    planned = []
+    monkeypatch.setattr(planner, "plan_line", lambda workload, *_, **__: planned.append(workload))
+    config = Config(arch="resnet18", batch_size=8, grad_checkpointing=True, **flags)
+    _plan(config, DistEnv(0, 1, 0, 1, torch.device("cpu")), 10, "none")
+    (workload,) = planned
+    assert workload.freeze_backbone is planned_frozen
+    assert workload.grad_checkpointing
+
+
+def test_a_kept_trace_is_one_of_the_same_freezing_and_checkpointing():
+    workload = Workload("resnet18", 10, 1, 4, 32, "none")
+    files = {
+        planner._remembered_file(dataclasses.asdict(w))
+        for w in (
+            workload,
+            dataclasses.replace(workload, freeze_backbone=True),
+            dataclasses.replace(workload, grad_checkpointing=True),
+        )
+    }
+    assert len(files) == 3

@@ -22,7 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ddptrain
-from ddptrain.config import MEMORY_SETTINGS, Config, OptimSettings, ParallelSettings
+from ddptrain.config import (
+    MEMORY_SETTINGS,
+    Config,
+    ModelSettings,
+    OptimSettings,
+    ParallelSettings,
+)
 from ddptrain.data.synth import cache_dir
 from ddptrain.errors import UserError
 from ddptrain.state.files import atomic_write
@@ -49,6 +55,8 @@ class MemorySettings:
     model_ema: bool = OptimSettings.model_ema
     accum_steps: int = OptimSettings.accum_steps  # forward passes the per-rank batch is split into
     reshard_after_forward: bool = ParallelSettings.reshard_after_forward  # fsdp's
+    freeze_backbone: bool = OptimSettings.freeze_backbone  # for the whole run: the head trains
+    grad_checkpointing: bool = ModelSettings.grad_checkpointing
 
 
 @dataclass(frozen=True)
@@ -311,7 +319,9 @@ def table(request: PlanRequest, result: dict[str, dict]) -> str:
     lines = [
         f"ddptrain plan: {r.arch} on {r.world_size} rank(s), global batch {r.batch_size} "
         f"({per_rank}), {r.image_size} px, amp {r.amp}, {r.num_classes} classes, --opt {r.opt}"
-        + (", --model-ema" if r.model_ema else ""),
+        + (", --model-ema" if r.model_ema else "")
+        + (", --freeze-backbone" if r.freeze_backbone else "")
+        + (", --grad-checkpointing" if r.grad_checkpointing else ""),
         f"  {'per rank':<30}{'ddp':>12}{'fsdp':>12}",
     ]
     for label, key in ROWS:

@@ -23,6 +23,10 @@ reduce-scatter before the last, holding whole gradients; the request's optimizer
 - fsdp: `parallel.fsdp.shard` over a fake process group of world_size ranks (this process is
   rank 0; FSDP2 pads every shard to the same size, so all ranks hold the same), under
   `FSDPMemTracker`, which also sees the all-gather and reduce-scatter buffers.
+--grad-checkpointing and --freeze-backbone are set on the model as run.py sets them, before
+fsdp shards it: a checkpointed block keeps its input for backward and recomputes the rest there;
+a frozen backbone gets no gradients, buckets or optimizer state, and its BatchNorm layers run in
+eval mode (frozen for the whole run: `plan` plans a run that unfreezes it as unfrozen).
 The traced step is the second one: the optimizer's state exists and gradients of the previous
 step are still held during forward (zero_grad comes after it), as in every step after the first.
 --model-ema's average is not traced but added: it is one more copy of what the rank holds (its
@@ -50,10 +54,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ddptrain.config import OptimSettings
-from ddptrain.errors import end_process, first_line
+from ddptrain.errors import UserError, end_process, first_line
 from ddptrain.model.build import CropError, build_model
 from ddptrain.model.precision import DTYPES, Precision
+from ddptrain.model.providers import provider
 from ddptrain.parallel.fsdp import shard
+from ddptrain.train.finetune import Freezing, fine_tuning
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.step import Step, gradients_set_to_none
 
@@ -82,8 +88,25 @@ def _meta_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
     return model.to("meta")
 
 
-def _fake_model(request: dict, strategy: str, fake_mode: FakeTensorMode) -> nn.Module:
-    """The model with fake parameters, sharded for fsdp.
+def _trained_as_run(model: nn.Module, request: dict) -> Freezing | None:
+    """The model checkpointed (--grad-checkpointing) and its backbone frozen (--freeze-backbone,
+    for the whole run) as run.py sets them, before fsdp shards it; the freezing, if any."""
+    arch = request["arch"]
+    source = provider(arch)
+    if request["grad_checkpointing"]:
+        try:
+            source.set_grad_checkpointing(model, arch)
+        except UserError as err:  # a model without blocks: refused, as the run refuses it
+            raise ModelError(str(err)) from None
+    optim = OptimSettings(freeze_backbone=request["freeze_backbone"])
+    return fine_tuning(optim, source, model, epoch=0)[1]
+
+
+def _fake_model(
+    request: dict, strategy: str, fake_mode: FakeTensorMode
+) -> tuple[nn.Module, Freezing | None]:
+    """The model with fake parameters, sharded for fsdp, in training mode as the run trains it;
+    and its freezing (--freeze-backbone), if any.
 
     Built on the meta device, so nothing is allocated or initialised; fsdp shards it there (its
     device mesh is made of real tensors, which fake mode would refuse); `to_empty` then gives it
@@ -92,6 +115,7 @@ def _fake_model(request: dict, strategy: str, fake_mode: FakeTensorMode) -> nn.M
     """
     arch = request["arch"]
     model = _meta_model(arch, request["num_classes"], request["image_size"])
+    freezing = _trained_as_run(model, request)
     if strategy == "fsdp":
         shard(
             model,
@@ -105,7 +129,11 @@ def _fake_model(request: dict, strategy: str, fake_mode: FakeTensorMode) -> nn.M
             model.to_empty(device="cpu")
     finally:
         fake_mode.allow_non_fake_inputs = False
-    return model.train()
+    if freezing is None:
+        model.train()
+    else:  # the frozen backbone's BatchNorm layers in eval mode, saving nothing for backward
+        freezing.train(model)
+    return model, freezing
 
 
 def _keep_gradients_in_buckets(model: nn.Module, accum_steps: int) -> list[torch.Tensor]:
@@ -115,7 +143,7 @@ def _keep_gradients_in_buckets(model: nn.Module, accum_steps: int) -> list[torch
     bucket, where `Step` zeroes it (and where `lay_out_buckets` leaves it before the first
     step). Returns the buckets (they must stay referenced)."""
     buckets = []
-    for param in model.parameters():
+    for param in (p for p in model.parameters() if p.requires_grad):  # DDP's: those that train
         bucket = torch.empty_like(param)
         buckets.append(bucket)
         backwards = itertools.count(1)
@@ -128,6 +156,32 @@ def _keep_gradients_in_buckets(model: nn.Module, accum_steps: int) -> list[torch
 
         param.register_post_accumulate_grad_hook(into_bucket)
     return buckets
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+class FrozenSkipped:
+    """A tracker that puts no gradient hook on frozen parameters (--freeze-backbone): torch's
+    hooks each parameter of every module whose forward it sees, and a tensor that requires no
+    gradient refuses a hook. Marked as hooked, they are counted still, as parameters."""
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks=True):
+        hooked = self._param_to_grad_hook_handles
+        for param in module.parameters():
+            if not param.requires_grad and param not in hooked:
+                hooked[param] = (_NoHook(), _NoHook())  # marked as hooked already
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+
+class Tracker(FrozenSkipped, MemTracker):
+    """MemTracker, frozen parameters allowed."""
+
+
+class FSDPTracker(FrozenSkipped, FSDPMemTracker):
+    """FSDPMemTracker, frozen parameters allowed."""
 
 
 def _named(snapshot: dict) -> dict[str, int]:
@@ -168,11 +222,12 @@ def _after_forward(model: nn.Module, tracker: MemTracker) -> dict[str, dict[str,
 def trace(request: dict, strategy: str) -> dict[str, int | None]:
     """Per-rank bytes of one steady-state training step of request's model under strategy."""
     fake_mode = FakeTensorMode()
-    model = _fake_model(request, strategy, fake_mode)
+    model, freezing = _fake_model(request, strategy, fake_mode)
     wraps_in_ddp = strategy == "ddp" and request["world_size"] > 1
     with fake_mode:
         config = OptimSettings(opt=request["opt"], momentum=request["momentum"])
-        optimizer, _ = build_optimizer(model, config)
+        # As the run builds it: it keeps no state for a parameter that gets no gradient.
+        optimizer, _ = build_optimizer(model, config, frozen_too=freezing is not None)
         batch, size = request["per_rank_batch"], request["image_size"]
         images = torch.randn(batch, 3, size, size)
         target = torch.randint(0, request["num_classes"], (batch,))
@@ -194,10 +249,10 @@ def trace(request: dict, strategy: str) -> dict[str, int | None]:
         except (RuntimeError, AssertionError, ValueError) as err:
             raise ModelError(f"it does not run on {size} px crops: {first_line(err)}") from None
         if strategy == "fsdp":
-            tracker = FSDPMemTracker(model, optimizer)
+            tracker = FSDPTracker(model, optimizer)
             tracker.track_inputs((images, target))
         else:
-            tracker = MemTracker()
+            tracker = Tracker()
             tracker.track_external(model, optimizer, images, target)
         after_forward = _after_forward(model, tracker)
         earlier: list[dict[str, int]] = []  # of the micro-batches before the last
