@@ -240,9 +240,15 @@ def process_state(pid: int | str) -> str:
 
 
 def _run(cmd, timeout, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=env_with(**(env or {}))
+    job = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_with(**(env or {})),
     )
+    stdout, stderr = ended(job, timeout)  # a hang fails with the stacks of its processes
+    return subprocess.CompletedProcess(cmd, job.returncode, stdout, stderr)
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
