@@ -181,23 +181,42 @@ def ended(job: subprocess.Popen, timeout: float = DEADLINE) -> tuple[str, str]:
 
 
 def stacks_then_kill(job: subprocess.Popen) -> str:
-    """What a hung job's processes were doing (py-spy's dump of each, Python and native
-    frames), then the job killed and its stderr: for the failure message of a hang."""
-    dumps = []
-    for pid in [job.pid, *_descendants(job.pid)]:
-        try:
-            dump = subprocess.run(
-                [Path(sys.executable).with_name("py-spy"), "dump", "--native", "--pid", str(pid)],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            dumps.append(f"--- process {pid} ({process_state(pid)}):\n{dump.stdout}{dump.stderr}")
-        except (OSError, subprocess.TimeoutExpired) as err:
-            dumps.append(f"--- process {pid}: no stack ({err})")
+    """What a hung job's processes were doing (py-spy's dump of each, with native frames where
+    py-spy can unwind them, and each thread's kernel wait channel), then the job killed and its
+    stderr: for the failure message of a hang."""
+    dumps = [f"--- process {pid}{_parent(pid)}:\n{_stack(pid)}" for pid in _descendants(job.pid)]
+    dumps.insert(0, f"--- process {job.pid} (the job):\n{_stack(job.pid)}")
     kill_tree(job.pid)
     _, stderr = job.communicate()
     return "\n".join([*dumps, f"--- the job's stderr:\n{stderr}"])
+
+
+def _stack(pid: int) -> str:
+    spy = [Path(sys.executable).with_name("py-spy"), "dump", "--pid", str(pid)]
+    waits = ", ".join(
+        f"{task.name} {process_state(f'{pid}/task/{task.name}')}:{_read(task / 'wchan')}"
+        for task in sorted(Path(f"/proc/{pid}/task").glob("*"))
+    )
+    for command in ([*spy, "--native"], spy):  # native unwinding fails now and then
+        try:
+            dump = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return f"no stack ({err}); threads' wait channels: {waits}"
+        if dump.returncode == 0:
+            return f"{dump.stdout}threads' wait channels: {waits}"
+    return f"{dump.stdout}{dump.stderr}threads' wait channels: {waits}"
+
+
+def _parent(pid: int) -> str:
+    stat = _read(Path(f"/proc/{pid}/stat"))
+    return f" (child of {stat.rsplit(')', 1)[1].split()[1]})" if ")" in stat else ""
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return "?"
 
 
 def wait_pending(pid: int, signum: int, timeout: float = 30) -> None:
