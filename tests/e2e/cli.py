@@ -184,8 +184,10 @@ def stacks_then_kill(job: subprocess.Popen) -> str:
     """What a hung job's processes were doing (py-spy's dump of each, with native frames where
     py-spy can unwind them, and each thread's kernel wait channel), then the job killed and its
     stderr: for the failure message of a hang."""
-    dumps = [f"--- process {pid}{_parent(pid)}:\n{_stack(pid)}" for pid in _descendants(job.pid)]
-    dumps.insert(0, f"--- process {job.pid} (the job):\n{_stack(job.pid)}")
+    dumps = [
+        f"--- process {pid} (child of {(_stat_fields(pid) or ['', '?'])[1]}):\n{_stack(pid)}"
+        for pid in [job.pid, *_descendants(job.pid)]
+    ]
     kill_tree(job.pid)
     _, stderr = job.communicate()
     return "\n".join([*dumps, f"--- the job's stderr:\n{stderr}"])
@@ -205,11 +207,6 @@ def _stack(pid: int) -> str:
         if dump.returncode == 0:
             return f"{dump.stdout}threads' wait channels: {waits}"
     return f"{dump.stdout}{dump.stderr}threads' wait channels: {waits}"
-
-
-def _parent(pid: int) -> str:
-    stat = _read(Path(f"/proc/{pid}/stat"))
-    return f" (child of {stat.rsplit(')', 1)[1].split()[1]})" if ")" in stat else ""
 
 
 def _read(path: Path) -> str:
@@ -234,9 +231,9 @@ def wait_pending(pid: int, signum: int, timeout: float = 30) -> None:
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(stat.parent.name))
+        fields = _stat_fields(stat.parent.name)
+        if fields:
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
     found, todo = [], [pid]
     while todo:
         below = children.get(todo.pop(), [])
@@ -252,10 +249,16 @@ def _alive(pid: int) -> bool:
 
 def process_state(pid: int | str) -> str:
     """The process's state letter in /proc (R, S, T, Z, ...), "" for none."""
+    return (_stat_fields(pid) or [""])[0]
+
+
+def _stat_fields(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command's name (state, parent, ...); [] for a
+    process that is gone. PID may be "PID/task/TID", a thread."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return ""
+        return []
 
 
 def _run(cmd, timeout, env=None) -> subprocess.CompletedProcess:
