@@ -81,3 +81,10 @@ def test_a_tracker_failing_to_log_an_epoch_is_a_warning_not_the_runs_end(tmp_pat
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["acc1"] == 50.0
     warning = capsys.readouterr().err
     assert "--log-to mlflow: logging epoch 1 failed" in warning and "training goes on" in warning
+
+
+@pytest.mark.parametrize("saved", ["[]", '{"mlflow": 5}', '{"mlflow": {"run_id": 3, "epoch": 1}}'])
+def test_a_trackers_json_not_written_by_ddptrain_is_one_line(tmp_path, saved):
+    (tmp_path / "trackers.json").write_text(saved)
+    with pytest.raises(UserError, match=r"trackers.json is not ddptrain's: move it away"):
+        tracker("mlflow", tmp_path, {"lr": 0.1}, resumed=True).keep_until(1)

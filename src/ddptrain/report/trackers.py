@@ -220,10 +220,20 @@ def tracker(name: str, out_dir: Path, settings: dict, resumed: bool) -> Tracker:
 
 
 def _read_state(out_dir: Path) -> dict:
+    """Each tracker's {"run_id": str, "epoch": int}, as _save_state wrote them."""
     path = out_dir / STATE
     try:
-        return json.loads(path.read_text()) if path.exists() else {}
+        state = json.loads(path.read_text()) if path.exists() else {}
     except ValueError:
-        raise UserError(
-            f"{path} is not ddptrain's: move it away or choose another --out-dir"
-        ) from None
+        state = None
+    if not isinstance(state, dict) or not all(map(_saved_run, state.values())):
+        raise UserError(f"{path} is not ddptrain's: move it away or choose another --out-dir")
+    return state
+
+
+def _saved_run(entry) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("run_id"), str)
+        and type(entry.get("epoch")) is int
+    )
