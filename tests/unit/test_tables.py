@@ -2,18 +2,21 @@
 were made of, sample for sample; each kind of bad row named by its file and row."""
 
 import hashlib
+import io
 import json
 import shutil
 import sys
 
 import datasets
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from PIL import Image
 from table_data import table_dataset, table_rows, with_features, write_table_set
 
 from ddptrain.config import Config
-from ddptrain.data import check, tables
+from ddptrain.data import check, shard_index, tables
 from ddptrain.data.loaders import build_data
 from ddptrain.data.sources import FolderSource, open_source
 from ddptrain.data.tables import TableSource
@@ -133,6 +136,13 @@ def test_labels_without_a_class_label(tiny_data, tmp_path):
         (7, False, None),  # without a ClassLabel, 7 makes 8 classes: no error
         (-3, False, "label -3 is out of range: the classes are 0..2"),
         (None, False, "no label (null in column 'label')"),
+        (
+            10**9,  # would be a billion class names
+            False,
+            "label 1000000000, and without a ClassLabel a label must be below 1,000,000 (the "
+            "split's number of rows or 1,000,000, the larger): give column 'label' a ClassLabel "
+            "naming the classes",
+        ),
     ],
 )
 def test_a_bad_label_is_named_by_file_and_row(tiny_data, tmp_path, label, class_label, message):
@@ -149,6 +159,139 @@ def test_a_bad_label_is_named_by_file_and_row(tiny_data, tmp_path, label, class_
     with pytest.raises(UserError) as raised:
         source(tmp_path).split("val")
     assert str(raised.value) == f"{tmp_path / 'val' / 'part-0.parquet'}:4: {message}"
+
+
+def test_labels_without_a_class_label_are_bounded_as_pack_bounds_them(
+    tiny_data, tmp_path, monkeypatch
+):
+    """Below the split's number of rows or MAX_CLASSES, the larger: 15 rows against 10 here."""
+    monkeypatch.setattr(shard_index, "MAX_CLASSES", 10)
+    rows, _ = table_rows(tiny_data, "val")
+    rows["label"][4] = 14
+    write_table_set(tmp_path / "below", datasets.Dataset.from_dict(rows))
+    assert len(source(tmp_path / "below").split("val").class_to_idx) == 15
+    rows["label"][4] = 15
+    write_table_set(tmp_path / "at", datasets.Dataset.from_dict(rows))
+    with pytest.raises(UserError, match=r"^.*/val/part-0.parquet:4: label 15, .* below 15 \("):
+        source(tmp_path / "at").split("val")
+
+
+def with_huggingface(data, metadata):
+    """The set's Parquet files with `metadata` (bytes, or JSON to write) as their schema's
+    `huggingface` metadata, where datasets keeps its features: as another writer may leave it."""
+    raw = metadata if isinstance(metadata, bytes) else json.dumps(metadata).encode()
+    for path in data.glob("*/*.parquet"):
+        table = pq.read_table(path)
+        pq.write_table(table.replace_schema_metadata({b"huggingface": raw}), path)
+    return data
+
+
+def label_feature(feature) -> dict:
+    return {"info": {"features": {"image": {"_type": "Image"}, "label": feature}}}
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (["arrow", "bar", "arrow"], "names 'arrow' twice"),
+        (["arrow", "", "circle"], "has the class name ''"),
+        (["arrow", 1, "circle"], "has the class name 1"),
+    ],
+)
+def test_class_label_names_are_distinct_non_empty_strings(tiny_parquet, tmp_path, names, message):
+    data = shutil.copytree(tiny_parquet, tmp_path / "data")
+    with_huggingface(data, label_feature({"_type": "ClassLabel", "names": names}))
+    with pytest.raises(UserError) as raised:
+        check.check_command(str(data), workers=0, max_image_pixels=10**8)
+    assert str(raised.value) == (
+        f"{data / 'train' / 'part-0.parquet'}: the ClassLabel of column 'label' {message}: "
+        "give each class one distinct, non-empty name"
+    )
+
+
+NOT_DATASETS = "is not a JSON object as datasets writes it: write the file with datasets, or "
+NO_NAMES = (
+    "the ClassLabel of column 'label' has no list of class names (\"names\"): give it the "
+    "names, as datasets.ClassLabel(names=[...]) writes them"
+)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        (b"{not JSON", f"the schema metadata huggingface {NOT_DATASETS}"),
+        (b"[]", f"the schema metadata huggingface {NOT_DATASETS}"),
+        ({"info": ["features"]}, f"the schema metadata huggingface.info {NOT_DATASETS}"),
+        (
+            {"info": {"features": "x"}},
+            f"the schema metadata huggingface.info.features {NOT_DATASETS}",
+        ),
+        (
+            label_feature("ClassLabel"),
+            f"the schema metadata huggingface.info.features.label {NOT_DATASETS}",
+        ),
+        (label_feature({"_type": "ClassLabel"}), NO_NAMES),
+        (label_feature({"_type": "ClassLabel", "names": 3}), NO_NAMES),
+        (label_feature({"_type": "ClassLabel", "names": "arrow bar circle"}), NO_NAMES),
+    ],
+)
+def test_malformed_features_are_one_line_naming_the_file(tiny_parquet, tmp_path, metadata, message):
+    data = with_huggingface(shutil.copytree(tiny_parquet, tmp_path / "data"), metadata)
+    with pytest.raises(UserError) as raised:
+        check.check_command(str(data), workers=0, max_image_pixels=10**8)
+    assert str(raised.value).startswith(f"{data / 'train' / 'part-0.parquet'}: {message}")
+
+
+def test_features_datasets_leaves_out_are_no_class_label(tiny_parquet, tmp_path):
+    """As datasets reads them: without info.features (or the label's) the labels are plain."""
+    for metadata in ({}, {"info": {}}, {"info": {"features": None}}, label_feature(None)):
+        data = with_huggingface(shutil.copytree(tiny_parquet, tmp_path / "data"), metadata)
+        assert source(data).split("val").class_to_idx == {"0": 0, "1": 1, "2": 2}
+        shutil.rmtree(data)
+
+
+SPLITS_LISTED = (
+    'DATA: {path} lists no splits (save_to_disk writes an object whose "splits" is a list '
+    "of split names): save the set again with save_to_disk"
+)
+
+
+@pytest.mark.parametrize(
+    ("file", "rewrite", "message"),
+    [
+        ("dataset_dict.json", lambda listed: json.dumps(listed["splits"]), SPLITS_LISTED),
+        (
+            "dataset_dict.json",
+            lambda listed: json.dumps({"splits": " ".join(listed["splits"])}),
+            SPLITS_LISTED,
+        ),
+        (
+            "dataset_dict.json",
+            lambda listed: json.dumps({"splits": [*listed["splits"], 5]}),
+            SPLITS_LISTED,
+        ),
+        (
+            "train/state.json",
+            lambda state: json.dumps({**state, "_data_files": state["_data_files"] * 2}),
+            "DATA: {path} lists 'data-00000-of-00001.arrow' twice: each file of the split is "
+            "read once",
+        ),
+        (
+            "train/state.json",
+            lambda state: "[" * 100_000 + "]" * 100_000,  # past the JSON decoder's recursion
+            "DATA: cannot read {path}: maximum recursion depth",
+        ),
+    ],
+    ids=["a list", "splits a string", "a split a number", "a file twice", "nested deep"],
+)
+def test_malformed_save_to_disk_json_is_one_line_naming_it(
+    tiny_dataset_dict, tmp_path, file, rewrite, message
+):
+    data = shutil.copytree(tiny_dataset_dict, tmp_path / "data")
+    (data / file).write_text(rewrite(json.loads((data / file).read_text())))
+    with pytest.raises(UserError) as raised:
+        check.check_command(str(data), workers=0, max_image_pixels=10**8)
+    assert str(raised.value).startswith(message.format(path=data / file))
 
 
 @pytest.fixture
@@ -184,6 +327,25 @@ def test_each_bad_row_has_its_reason_and_stops_the_loader(bad_rows):
         assert str(raised.value).startswith(
             f"cannot read image {bad_rows / 'val' / 'part-0.parquet'}:{row}: {reason} ("
         )
+
+
+def test_a_struct_of_bytes_alone_without_them_is_a_bad_row(tmp_path):
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, "PNG")
+    cells = [{"bytes": png.getvalue()}, {"bytes": None}]
+    cells = pa.array(cells, pa.struct([("bytes", pa.binary())]))
+    for split in ("train", "val"):
+        (tmp_path / "data" / split).mkdir(parents=True)
+        table = pa.table({"image": cells, "label": pa.array([0, 0])})
+        pq.write_table(table, tmp_path / "data" / split / "part-0.parquet")
+    table = source(tmp_path / "data")
+    assert table.problem("val/part-0.parquet:0") is None
+    assert table.problem("val/part-0.parquet:1") == (
+        "no image bytes, nor a path: build the Image column from bytes, so that the table holds "
+        "the images"
+    )
+    with pytest.raises(UserError, match=r"part-0.parquet:1: no image bytes, nor a path"):
+        table.split("val").dataset[1]
 
 
 def test_check_lists_the_bad_rows_and_skip_leaves_them_out(bad_rows, capsys):

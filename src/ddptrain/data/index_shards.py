@@ -23,10 +23,6 @@ from ddptrain.state.files import atomic_write
 KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # WebDataset's base_plus_ext
 IMAGE_EXTS = {ext[1:] for ext in folder.EXTENSIONS}
 CLASSES = "classes.txt"
-# Without classes.txt the classes are 0 to the largest label, which must be below the number of
-# samples or this, whichever is larger: a small set may hold sparse labels of a large label space
-# (a val subset), while the class list stays as long as the set's samples or a few MB at most.
-MAX_CLASSES = 1_000_000
 
 
 def index_shards(
@@ -56,7 +52,7 @@ def index_shards(
                 entries[split].append(_entry(path, f"{split}/{path.name}", classes))
                 advance(1)
     labels = [s[3] for split in entries.values() for e in split for s in e["samples"]]
-    limit = max(len(labels), MAX_CLASSES)
+    limit = max(len(labels), shard_index.MAX_CLASSES)
     if classes is None and max(labels, default=-1) >= limit:
         shard, name, label = next(
             (e["shard"], s[0], s[3])
@@ -68,7 +64,7 @@ def index_shards(
         raise UserError(
             f"{shard}: the .cls of {name.split('/', 1)[1]} says class {label}, and without "
             f"{CLASSES} a label must be below {limit:,} (the number of samples or "
-            f"{MAX_CLASSES:,}, the larger): list the class names in {base / CLASSES}"
+            f"{shard_index.MAX_CLASSES:,}, the larger): list the class names in {base / CLASSES}"
         )
     if classes is None:
         classes = [str(i) for i in range(max(labels, default=-1) + 1)]

@@ -26,6 +26,11 @@ from ddptrain.errors import UserError
 FORMAT, VERSION = "ddptrain-packed", 1
 INDEX = "index.json"
 SAFE_PART = re.compile(r"[A-Za-z0-9._-]+")  # of a shard's path: the same on a disk and in a URL
+# Without class names (classes.txt to `pack --index-only`, a table's ClassLabel) the classes are
+# 0 to the largest label, which must be below the number of samples or this, whichever is larger:
+# a small set may hold sparse labels of a large label space (a val subset), while the class list
+# stays as long as the set's samples or a few MB at most.
+MAX_CLASSES = 1_000_000
 
 
 @dataclass(frozen=True, eq=False)

@@ -14,7 +14,6 @@ A sample's name is `split/file:row` (`train/part-0.parquet:17`, the row within i
 """
 
 import hashlib
-import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from ddptrain.config import MAX_IMAGE_PIXELS
-from ddptrain.data import folder
+from ddptrain.data import folder, shard_index, table_metadata
 from ddptrain.data.sources import SPLITS, Split
 from ddptrain.errors import UserError, first_line
 
@@ -112,11 +111,10 @@ class TableSource:
         return [name for split in splits for name in self._index(split).names(split)]
 
     def has(self, split: str) -> bool:
-        try:
-            self._folder(split)
-        except UserError:
-            return False
-        return True
+        listing = self.root / DATASET_DICT
+        if listing.is_file():  # a malformed one is said, not taken for a missing split
+            return table_metadata.split_folder(listing, split) is not None
+        return bool(_parquet_files(self.root / split))
 
     def problem(self, name: str) -> str | None:
         """Why sample `name` cannot be used, or None when it decodes."""
@@ -146,28 +144,19 @@ class TableSource:
                     "train/*.parquet and val/*.parquet)"
                 )
             return self.root / split
-        listed = _json(listing).get("splits", [])
-        names = ("train",) if split == "train" else ("validation", "val")
-        found = [n for n in names if n in listed]
-        if not found:
+        found = table_metadata.split_folder(listing, split)
+        if found is None:
             raise UserError(
-                f"DATA: {listing} lists the splits {listed}, none of them {' or '.join(names)}"
+                f"DATA: {listing} lists the splits {table_metadata.splits(listing)}, none of "
+                f"them {' or '.join(table_metadata.SPLIT_NAMES[split])}"
             )
-        return self.root / found[0]
+        return self.root / found
 
     def _files(self, split: str) -> tuple[Path, list[Path]]:
         where = self._folder(split)
         if not (self.root / DATASET_DICT).is_file():
             return where, _parquet_files(where)
-        state = where / "state.json"  # save_to_disk's list of the split's Arrow files
-        try:
-            names = [f["filename"] for f in _json(state)["_data_files"]]
-        except (KeyError, TypeError):
-            raise UserError(f"DATA: {state} lists no _data_files (not save_to_disk's)") from None
-        for name in names:  # files of the split's folder: nothing outside it is read
-            if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
-                raise UserError(f"DATA: {state} lists {name!r}, not a file name in {where}")
-        return where, [where / name for name in names]
+        return where, [where / name for name in table_metadata.data_files(where)]
 
     def _index(self, split: str) -> _Index:
         """Reads and checks the label column of every file of the split."""
@@ -180,7 +169,7 @@ class TableSource:
                 columns.append(table.column(self.label_column))
             except (_pyarrow().ArrowException, OSError) as err:
                 raise UserError(f"{path}: cannot read it: {first_line(err)}") from None
-            named = _class_names(table, self.label_column)
+            named = table_metadata.class_names(table, path, self.label_column)
             if classes is not None and named != classes:
                 raise UserError(f"{path}: its ClassLabel names differ from {files[0]}'s")
             classes = named
@@ -190,25 +179,6 @@ class TableSource:
         file_of = np.repeat(np.arange(len(files), dtype=np.int32), [len(c) for c in columns])
         row_of = np.concatenate([np.arange(len(c), dtype=np.int64) for c in columns])
         return _Index(where, files, file_of, row_of, labels, class_to_idx)
-
-
-def _json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise UserError(f"DATA: cannot read {path}: {first_line(err)}") from None
-
-
-def _class_names(table, column: str) -> list[str] | None:
-    """The ClassLabel names of the label column, from the features datasets keeps in the
-    schema's metadata (key `huggingface`); None without a ClassLabel."""
-    metadata = table.schema.metadata or {}
-    try:
-        features = json.loads(metadata[b"huggingface"])["info"]["features"]
-        feature = features[column]
-    except (KeyError, TypeError, ValueError):
-        return None
-    return list(feature["names"]) if feature.get("_type") == "ClassLabel" else None
 
 
 def _check_columns(table, path: Path, image: str, label: str) -> None:
@@ -250,18 +220,44 @@ def _labels(columns, files, classes, column: str) -> tuple[np.ndarray, dict[str,
             f"{files[0]}: column {column!r} holds {kind}: labels are integers (a ClassLabel) "
             "or strings"
         )
-    values = [c.to_numpy().astype(np.int64) for c in columns]
+    values = [c.to_numpy() for c in columns]  # as stored: a uint64 label is compared as it is
+    if classes is None:
+        _check_unnamed(files, values, column)
     top = len(classes) if classes is not None else 1 + max(int(v.max()) for v in values if len(v))
-    for path, v in zip(files, values, strict=True):
-        bad = np.flatnonzero((v < 0) | (v >= top))
-        if len(bad):
-            row = int(bad[0])
-            raise UserError(
-                f"{path}:{row}: label {v[row]} is out of range: the classes are 0..{top - 1}"
-                + (" (its ClassLabel's names)" if classes is not None else "")
-            )
+    bad = _first_row(files, values, lambda v: (v < 0) | (v >= top))
+    if bad is not None:
+        path, row, label = bad
+        raise UserError(
+            f"{path}:{row}: label {label} is out of range: the classes are 0..{top - 1}"
+            + (" (its ClassLabel's names)" if classes is not None else "")
+        )
     names = classes if classes is not None else [str(i) for i in range(top)]
-    return np.concatenate(values), {name: i for i, name in enumerate(names)}
+    labels = np.concatenate([v.astype(np.int64) for v in values])
+    return labels, {name: i for i, name in enumerate(names)}
+
+
+def _check_unnamed(files, values, column: str) -> None:
+    """Labels without class names make the classes 0 to the largest, so one label of 10^9
+    would make a billion names: they are bounded as `pack --index-only` bounds them."""
+    limit = max(sum(map(len, values)), shard_index.MAX_CLASSES)
+    bad = _first_row(files, values, lambda v: v >= limit)
+    if bad is not None:
+        path, row, label = bad
+        raise UserError(
+            f"{path}:{row}: label {label}, and without a ClassLabel a label must be below "
+            f"{limit:,} (the split's number of rows or {shard_index.MAX_CLASSES:,}, the "
+            f"larger): give column {column!r} a ClassLabel naming the classes"
+        )
+
+
+def _first_row(files, values, bad) -> tuple[Path, int, int] | None:
+    """The first row, in file order, whose label `bad` (a test of a file's labels) picks: its
+    file, row and label; None where it picks none."""
+    for path, labels in zip(files, values, strict=True):
+        rows = np.flatnonzero(bad(labels))
+        if len(rows):
+            return path, int(rows[0]), int(labels[rows[0]])
+    return None
 
 
 class _NoImage(Exception):
@@ -370,11 +366,13 @@ class _Open:
             raise _NoImage(f"cannot read the row: {first_line(err)}") from None
         if not cell.is_valid:
             raise _NoImage(f"no image (null in column {column!r})")
-        if hasattr(cell, "keys"):  # a datasets Image: {bytes, path}
+        if hasattr(cell, "keys"):  # a datasets Image: {bytes, path}; a struct holding bytes
             if not cell["bytes"].is_valid:
+                path = cell["path"].as_py() if "path" in cell else None
+                only = f"only the path {path!r}" if path is not None else "nor a path"
                 raise _NoImage(
-                    f"no image bytes, only the path {cell['path'].as_py()!r}: build the Image "
-                    "column from bytes, so that the table holds the images"
+                    f"no image bytes, {only}: build the Image column from bytes, so that the "
+                    "table holds the images"
                 )
             cell = cell["bytes"]
         return cell.as_py()
