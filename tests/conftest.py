@@ -38,15 +38,17 @@ def tiny_data(tmp_path_factory):
 
 @pytest.fixture
 def http_server():
-    """serve(root, ranges=True, failures=0) -> the base URL of a real HTTP server on 127.0.0.1
-    for the files under root, running until the test ends."""
+    """serve(root, ranges=True, failures=0, auth=None) -> the base URL of a real HTTP server on
+    127.0.0.1 for the files under root (bench/http_files.py), running until the test ends; the
+    server itself is serve.servers[-1]."""
     servers = []
 
-    def serve(root, ranges: bool = True, failures: int = 0) -> str:
-        server = http_files.serve(root, ranges, failures)
+    def serve(root, ranges: bool = True, failures: int = 0, auth: str | None = None) -> str:
+        server = http_files.serve(root, ranges, failures, auth)
         servers.append(server)
         return f"http://127.0.0.1:{server.server_port}"
 
+    serve.servers = servers
     yield serve
     for server in servers:
         server.shutdown()

@@ -203,6 +203,27 @@ def _not_empty(flag: str, path: str | None) -> None:
         raise UserError(f"{flag}: the path is empty")
 
 
+def check_no_credentials(url: str | None, what: str) -> None:
+    """Refuses a URL that holds a user name or password: DATA is recorded to resume the run
+    (config.json, every checkpoint, trackers), and named in error lines. The URL is shown with
+    them masked."""
+    if url is None or "://" not in url or url.startswith("file://"):
+        return
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as err:
+        raise UserError(f"{what} {url.split('@')[-1]}: not a URL ({err})") from None
+    if parts.username is None and parts.password is None:
+        return
+    masked = parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
+    raise UserError(
+        f"{what} {masked} holds a user name or password, which would be recorded with the "
+        "run's settings: leave them out of the URL and give them as the backend reads them "
+        "(~/.netrc for HTTP(S); the environment, such as AWS_ACCESS_KEY_ID for s3://): "
+        "docs/data.md"
+    )
+
+
 @dataclass(frozen=True)
 class DataSettings:
     """DATA, how it is loaded, the train and val transforms, and the checks of its images."""
@@ -307,6 +328,7 @@ class DataSettings:
             }
         )
         _not_empty("DATA", self.root)
+        check_no_credentials(self.root, "DATA")
         columns = (self.image_column, self.label_column)
         if not all(columns) or self.image_column == self.label_column:
             raise UserError(

@@ -153,7 +153,7 @@ def _resolve_here(
     return Resolved(
         config=config,
         out_dir=out_dir,
-        source=open_source(config, log=say if env.is_main else None),
+        source=open_source(config, log=say if env.is_main else None, warn=say),
         seed=seed,
         resume=resume,
         saved=saved,

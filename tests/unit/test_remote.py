@@ -1,7 +1,13 @@
+import signal
+import socket
+import time
+
 import pytest
 
+from ddptrain.config import Config
 from ddptrain.data.remote import Remote
-from ddptrain.errors import UserError
+from ddptrain.data.shard_cache import MARKER
+from ddptrain.errors import Stopped, UserError
 
 BLOB = bytes(range(256)) * 64  # 16 KiB
 
@@ -102,3 +108,116 @@ def test_a_cache_that_cannot_be_written_is_named_with_its_flag(files, http_serve
     remote = Remote(http_server(files, ranges=False), blocked)
     with pytest.raises(UserError, match=f"--cache-dir {blocked}: cannot keep .*shard.tar"):
         remote.read("shard.tar", 0, 10, len(BLOB))
+
+
+def test_a_cache_dir_holding_other_files_is_refused_and_left_as_it_was(files, tmp_path):
+    mine = tmp_path / "home"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    with pytest.raises(UserError, match=rf"--cache-dir {mine} holds files that are not ddptrain"):
+        Remote("http://127.0.0.1:9/set", mine, 0)
+    assert (mine / "thesis.tex").read_text() == "years of work"
+    assert not (mine / MARKER).exists()
+
+
+def test_eviction_deletes_only_the_copies_ddptrain_wrote(files, http_server, tmp_path):
+    cache = tmp_path / "cache"
+    remote = Remote(http_server(files, ranges=False), cache, 0)  # every copy evicted at once
+    remote.read("shard.tar", 0, 1, len(BLOB))
+    assert (cache / MARKER).is_file()  # made and marked by ddptrain
+    (set_folder,) = (p for p in cache.iterdir() if p.is_dir())
+    strangers = [cache / "notes.txt", set_folder / "draft odd name.txt", set_folder / ".keep"]
+    for path in strangers:
+        path.write_text("a user's")
+    (tmp_path / "elsewhere").write_text("a user's")
+    (set_folder / "link.tar").symlink_to(tmp_path / "elsewhere")
+    (files / "other.tar").write_bytes(BLOB)
+    remote.read("other.tar", 0, 1, len(BLOB))  # evicts all but the copy it keeps
+    assert all(path.read_text() == "a user's" for path in strangers)
+    assert (tmp_path / "elsewhere").read_text() == "a user's"
+    assert sorted(p.name for p in set_folder.iterdir()) == [
+        ".keep",
+        "draft odd name.txt",
+        "link.tar",
+        "other.tar",
+    ]
+
+
+def test_ddptrains_own_default_cache_is_taken_even_unmarked(
+    files, http_server, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    remote = Remote(http_server(files, ranges=False))
+    (remote.cache.folder / "an-earlier-version-0000000000000000-").mkdir(parents=True)
+    assert remote.read("shard.tar", 3, 4, len(BLOB)) == BLOB[3:7]
+    assert (remote.cache.folder / MARKER).is_file()
+
+
+@pytest.mark.parametrize(
+    "url", ["https://ann:hunter2@example.com/set", "s3://KEY:hunter2@bucket/x"]
+)
+def test_a_url_holding_a_password_is_refused_without_showing_it(url):
+    for refuse in (lambda: Remote(url), lambda: Config(data=url)):
+        with pytest.raises(UserError, match=r"holds a user name or password.*~/.netrc") as raised:
+            refuse()
+        assert "hunter2" not in str(raised.value) and "***@" in str(raised.value)
+
+
+def test_credentials_come_from_netrc(files, http_server, tmp_path, monkeypatch):
+    base = http_server(files, auth="ann:hunter2")
+    (tmp_path / "netrc").write_text("machine 127.0.0.1 login ann password hunter2\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert Remote(base, tmp_path / "cache").read("shard.tar", 7, 3, len(BLOB)) == BLOB[7:10]
+
+
+def test_a_refused_access_is_one_line_at_once(files, http_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    base = http_server(files, auth="ann:hunter2")
+    with pytest.raises(UserError, match=rf"^{base}/shard.tar: access denied \(401\): give"):
+        Remote(base, tmp_path / "cache").read("shard.tar", 0, 10, len(BLOB))
+    assert http_server.servers[-1].requests == [1]  # not tried again
+
+
+@pytest.fixture
+def silent_server():
+    """A server that accepts connections and never answers."""
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        yield f"http://127.0.0.1:{listening.getsockname()[1]}"
+
+
+def test_a_server_that_never_answers_is_given_up_on_and_the_wait_said(
+    silent_server, tmp_path, monkeypatch
+):
+    monkeypatch.setattr("ddptrain.data.remote.TIMEOUT", 0.2)
+    monkeypatch.setattr("ddptrain.data.remote.BACKOFF", 0.01)
+    said = []
+    remote = Remote(silent_server, tmp_path / "cache", say=lambda line, stderr: said.append(line))
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"shard.tar: failed 6 times, the last with no answer"):
+        remote.read("shard.tar", 0, 10, len(BLOB))
+    assert time.monotonic() - started < 20
+    # once a minute at most: the first retry's line alone
+    assert said == [
+        f"warning: {silent_server}/shard.tar: no answer within 0.2 s; "
+        "trying again in 0.01 s (5 tries left)"
+    ]
+
+
+def test_a_stop_request_while_waiting_for_a_server_is_not_taken_for_a_failure(
+    silent_server, tmp_path, monkeypatch
+):
+    monkeypatch.setattr("ddptrain.data.remote.TIMEOUT", 30.0)
+
+    def stop(signum, frame):  # as train/preempt.py's handler does before the first step
+        raise Stopped(signal.SIGTERM, "stopped by SIGTERM")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(Stopped):
+            Remote(silent_server, tmp_path / "cache").read("shard.tar", 0, 10, len(BLOB))
+        assert time.monotonic() - started < 10
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -104,7 +104,7 @@ def check_command(
     if max_image_pixels < 1:
         raise UserError(f"--max-image-pixels must be at least 1, got {max_image_pixels}")
     if is_url(data):
-        source = packed_at_url(Remote(data), max_image_pixels)
+        source = packed_at_url(Remote(data, say=say), max_image_pixels)
     else:
         source = source_at(Path(data), max_image_pixels, image_column, label_column)
     splits = [split for split in SPLITS if source.has(split)]
@@ -137,9 +137,10 @@ def images_to_leave_out(
     shows the bad files (stderr), its bar and the verdict (stdout) through say and counting."""
     if not config.data.checks_images or config.data.root is None or config.data.dummy:
         return frozenset()
+    warn = say  # a URL's retries: said on the rank that makes them
     if not env.is_main:  # other ranks stay quiet
         say, counting = _quiet, _uncounted
-    source = agree(env, lambda: open_source(config))
+    source = agree(env, lambda: open_source(config, warn=warn))
     root = source.root
     files = agree(env, lambda: source.names(("val",) if config.checkpoint.evaluate else SPLITS))
     listed = hashlib.sha256(os.fsencode("\n".join(files))).hexdigest()  # names need not be UTF-8

@@ -2,24 +2,30 @@
 
 A rank reads only the samples it trains on, each by a Range request for its member's bytes. A
 server that ignores Range answers with the whole shard (plain static servers do): that shard is
-then kept whole in a local cache folder, bounded in size and shared by a node's ranks, and read
-there. Transient failures are retried with backoff, a bounded number of times; then one line
-names the URL.
+then kept whole in a local cache folder (data/shard_cache.py) and read there. Every request has
+a connect and a read timeout; transient failures are retried with backoff, a bounded number of
+times, the wait said at most once a minute per URL; then one line names the URL. A URL may not
+hold a user name or password: it is recorded in the run's settings (config.json, checkpoints).
 """
 
-import contextlib
+import copy
 import hashlib
 import os
-import tempfile
 import time
 import urllib.parse
 from pathlib import Path
 
+from ddptrain.config import check_no_credentials
 from ddptrain.data import synth
-from ddptrain.errors import UserError
+from ddptrain.data.shard_cache import ShardCache, set_folder
+from ddptrain.errors import Stopped, UserError, first_line
 
 RETRIES = 5  # tries after the first
 BACKOFF = 0.5  # seconds before the first retry, doubled after each (at most about 15 s in all)
+# Seconds to connect, and to wait for each next piece of an answer: a server that accepts and
+# never answers is given up on, while a large shard that keeps arriving takes as long as it takes.
+TIMEOUT = 30.0
+SAY_EVERY = 60.0  # seconds between two lines about one URL's retries
 
 
 def is_url(data: str) -> bool:
@@ -38,18 +44,39 @@ _inherited: list = []
 class Remote:
     """Reads byte ranges of files under one base URL. Each process, loader workers included,
     makes its own fsspec file system on first use: fsspec's HTTP client does not survive a
-    fork."""
+    fork. `say(line, stderr)` hears of retries, in whichever process makes them."""
 
-    def __init__(self, base: str, cache_dir: str | None = None, cache_bytes: int = 10 << 30):
+    def __init__(
+        self,
+        base: str,
+        cache_dir: str | None = None,
+        cache_bytes: int = 10 << 30,
+        say=None,
+    ):
+        check_no_credentials(base, "URL")
         self.base = base.rstrip("/")
-        self.cache_dir = Path(cache_dir) if cache_dir else synth.cache_dir() / "shards"
-        self.cache_bytes = cache_bytes
+        folder = Path(cache_dir) if cache_dir else synth.cache_dir() / "shards"
+        self.cache = ShardCache(folder, cache_bytes, ours=not cache_dir)
+        self.say = say or self.quiet
         self._fs, self._pid = None, None
         self._whole: set[str] = set()  # shards this process found the server sends only whole
         self._version = ""  # the digest of the index fetched: the cache's copies are of it
+        self._said: dict[str, float] = {}  # URL -> when its retries were last said
+
+    @staticmethod
+    def quiet(line: str, stderr: bool = False) -> None:
+        """The default `say`: nothing shown."""
 
     def __getstate__(self):
         return {**self.__dict__, "_fs": None}
+
+    def at_index(self) -> tuple["Remote", str]:
+        """For a base that names an index file (`.../index.json`): a reader of its folder,
+        and the file's name."""
+        folder = copy.copy(self)
+        folder.base, _, name = self.base.rpartition("/")
+        folder._whole, folder._said = set(), {}
+        return folder, name
 
     def url(self, name: str) -> str:
         return f"{self.base}/{name}"
@@ -73,7 +100,8 @@ class Remote:
 
     def read(self, name: str, offset: int, size: int, whole_size: int) -> bytes:
         """`size` bytes at `offset` of file `name`, whose size is `whole_size`."""
-        data = self._from_cache(name, offset, size, whole_size)
+        copy = self._copy_path(name)
+        data = self.cache.read(copy, offset, size, whole_size)
         if data is not None:
             return data
         if name in self._whole:
@@ -91,99 +119,91 @@ class Remote:
                 f"{self.url(name)}: asked for {size} bytes at {offset}, got {len(data)} of a "
                 f"{whole_size}-byte file: the file changed since the index was written"
             )
-        self._keep(name, data)
+        self.cache.keep(copy, data, self.url(name))
         return data[offset : offset + size]
 
-    def _from_cache(self, name: str, offset: int, size: int, whole_size: int) -> bytes | None:
-        """The bytes from the cache's copy of `name`, None where there is no whole one (another
-        process may evict it at any time: a miss, not an error)."""
-        path = self._cache_path(name)
-        try:
-            with open(path, "rb") as f:
-                if os.fstat(f.fileno()).st_size != whole_size:  # cut short: fetch it again
-                    return None
-                os.utime(f.fileno())  # most recently used: evicted last
-                return os.pread(f.fileno(), size, offset)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-
-    def _cache_path(self, name: str) -> Path:
+    def _copy_path(self, name: str) -> Path:
         # A folder per set: its URL's digest (a long URL makes no overlong name) and its
         # index's; a readable part of the URL for whoever looks in the cache.
-        readable = urllib.parse.quote(self.base, safe="")[-48:]
+        readable = urllib.parse.quote(self.base, safe="")
         key = hashlib.sha256(self.base.encode()).hexdigest()[:16]
-        return self.cache_dir / f"{readable}-{key}-{self._version}" / name
+        return self.cache.folder / set_folder(readable, key, self._version) / name
 
-    def _keep(self, name: str, data: bytes) -> None:
-        """data as the cached copy of `name`: written to a temp file, then renamed, so ranks
-        starting at once never read a half-written copy; then old copies go past the bound."""
-        path = self._cache_path(name)
-        temp = None
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(temp, path)
-        except OSError as err:
-            if temp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(temp)
-            raise UserError(
-                f"--cache-dir {self.cache_dir}: cannot keep {self.url(name)} ({err.strerror}); "
-                "free room there, or give another --cache-dir"
-            ) from None
-        self._evict(keep=path)
-
-    def _evict(self, keep: Path) -> None:
-        """Least recently used copies go until the cache is within its bound. A reader that
-        finds its copy gone fetches it again (_from_cache)."""
-        copies = []
-        for path in self.cache_dir.rglob("*"):
-            with contextlib.suppress(FileNotFoundError):
-                if path.is_file() and not path.name.startswith("."):
-                    stat = path.stat()
-                    copies.append((stat.st_mtime, stat.st_size, path))
-        total = sum(size for _, size, _ in copies)
-        for _, size, path in sorted(copies):
-            if total <= self.cache_bytes:
-                break
-            if path != keep:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-                total -= size
-
-    def _retried(self, name: str, request):
-        url = self.url(name)
+    def _file_system(self):
         if self._fs is None or self._pid != os.getpid():  # a forked worker makes its own
             import fsspec
 
             if self._fs is not None:
                 _inherited.append(self._fs)
+            protocol = fsspec.core.split_protocol(self.base)[0]
             # Not fsspec's instance cache either: it would hand a worker its parent's client.
-            self._fs, _ = fsspec.core.url_to_fs(self.base, skip_instance_cache=True)
+            self._fs, _ = fsspec.core.url_to_fs(
+                self.base, skip_instance_cache=True, **_options(protocol)
+            )
             self._pid = os.getpid()
+        return self._fs
+
+    def _retried(self, name: str, request):
+        url = self.url(name)
         delay = BACKOFF
         for attempt in range(RETRIES + 1):
             try:
-                return request(self._fs, url)
+                return request(self._file_system(), url)
+            except Stopped:  # a stop request, raised by its handler while this waited
+                raise
             except FileNotFoundError as err:
                 if _not_found(err):
                     raise _Missing(f"{url}: not found (404)") from None
                 failure = err.__cause__  # fsspec's HTTP info calls every failure not found
             except PermissionError as err:
-                raise UserError(f"{url}: access denied ({err})") from None
+                raise UserError(f"{url}: access denied ({first_line(err)})") from None
             except Exception as err:  # connection errors, timeouts, 5xx: maybe transient
                 failure = err
-            if attempt == RETRIES:
-                said = str(failure).splitlines()[0] if str(failure) else ""
+            if getattr(failure, "status", None) in (401, 403):
                 raise UserError(
-                    f"{url}: failed {RETRIES + 1} times, the last with "
-                    f"{type(failure).__name__}: {said}"
+                    f"{url}: access denied ({failure.status}): give credentials as the "
+                    "server's client reads them (~/.netrc for HTTP; the environment or config "
+                    "files of fsspec's backend, such as AWS_ACCESS_KEY_ID for s3://)"
                 ) from None
+            if attempt == RETRIES:
+                raise UserError(
+                    f"{url}: failed {RETRIES + 1} times, the last with {_why(failure)}"
+                ) from None
+            self._say_waiting(url, failure, delay, RETRIES - attempt)
             time.sleep(delay)
             delay *= 2
         raise AssertionError("unreachable")
+
+    def _say_waiting(self, url: str, failure: BaseException, delay: float, left: int) -> None:
+        now = time.monotonic()
+        if now - self._said.get(url, -SAY_EVERY) < SAY_EVERY:
+            return
+        self._said[url] = now
+        self.say(
+            f"warning: {url}: {_why(failure)}; trying again in {delay:g} s ({left} tries left)",
+            stderr=True,
+        )
+
+
+def _options(protocol: str) -> dict:
+    """The file system's options: TIMEOUT, where ddptrain knows its backend's names for it,
+    and, for HTTP, credentials and proxies from the environment (~/.netrc, HTTPS_PROXY)."""
+    if protocol in ("http", "https"):
+        import aiohttp
+
+        # aiohttp's default also ends a whole request after 300 s, a large shard's included.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=TIMEOUT, sock_read=TIMEOUT)
+        return {"client_kwargs": {"timeout": timeout, "trust_env": True}}
+    if protocol in ("s3", "s3a"):
+        return {"config_kwargs": {"connect_timeout": TIMEOUT, "read_timeout": TIMEOUT}}
+    return {}
+
+
+def _why(failure: BaseException | None) -> str:
+    if isinstance(failure, TimeoutError):  # fsspec's, aiohttp's and asyncio's are
+        return f"no answer within {TIMEOUT:g} s"
+    said = str(failure).splitlines()[0] if str(failure) else ""
+    return f"{type(failure).__name__}: {said}"
 
 
 def _not_found(err: FileNotFoundError) -> bool:

@@ -98,15 +98,17 @@ class DummySource:
 Source = "FolderSource | ShardSource | TableSource | DummySource"
 
 
-def open_source(config: Config, log=None) -> Source:
-    """The source DATA names; `log` hears of the built-in data set being made."""
+def open_source(config: Config, log=None, warn=None) -> Source:
+    """The source DATA names; `log` hears of the built-in data set being made, `warn(line,
+    stderr)` of a URL's failed requests being tried again (in any process, on any rank)."""
     data = config.data
     if data.dummy:
         return DummySource(data.image_size)
     if data.root is None:
         return FolderSource(ensure_builtin(log=log), data.max_image_pixels)
     if is_url(data.root):
-        reader = Remote(data.root, data.cache_dir, int(data.cache_size * 2**30))
+        cache_bytes = int(data.cache_size * 2**30)
+        reader = Remote(data.root, data.cache_dir, cache_bytes, warn)
         return packed_at_url(reader, data.max_image_pixels)
     return source_at(Path(data.root), data.max_image_pixels, data.image_column, data.label_column)
 
@@ -114,9 +116,7 @@ def open_source(config: Config, log=None) -> Source:
 def packed_at_url(reader: Remote, max_pixels: int = MAX_IMAGE_PIXELS) -> ShardSource:
     """A packed set at a URL: the index's own (ending in .json), or a folder holding one."""
     if reader.base.endswith(".json"):
-        base, _, name = reader.base.rpartition("/")
-        reader = Remote(base, reader.cache_dir, reader.cache_bytes)
-        return ShardSource.open(reader, name, max_pixels)
+        return ShardSource.open(*reader.at_index(), max_pixels)
     return ShardSource.open(reader, INDEX, max_pixels)
 
 

@@ -57,16 +57,16 @@ def predict(request: PredictRequest, say, counting) -> str | None:
     on the other ranks). say, counting: report/progress.py's, for rank 0's warnings and bar."""
     env = init_distributed(request.launch, request.workers, None, say)
     try:
-        return _predict(request, env, counting)
+        return _predict(request, env, say, counting)
     finally:
         teardown_distributed()
 
 
-def _predict(request: PredictRequest, env: DistEnv, counting) -> str | None:
+def _predict(request: PredictRequest, env: DistEnv, say, counting) -> str | None:
     # Before anything slow: a bad --out ends the run at once, on every rank.
     agree(env, lambda: prediction_files.check(request.out) if env.is_main else None)
     Config(batch_size=request.batch_size).check_batch_divides(env.world_size)
-    inputs = agree(env, lambda: list_inputs(request.inputs, request.max_image_pixels))
+    inputs = agree(env, lambda: list_inputs(request.inputs, request.max_image_pixels, say))
     paths = inputs.paths
     trained = agree(env, lambda: load_trained(request.model, request.ema))
     topk = agree(env, lambda: _topk(request.topk, len(trained.classes)))
@@ -107,13 +107,14 @@ class Inputs:
     sets: list[tuple[object, str]] = field(default_factory=list)  # (source, split)
 
 
-def list_inputs(inputs: list[str], max_pixels: int = MAX_IMAGE_PIXELS) -> Inputs:
+def list_inputs(inputs: list[str], max_pixels: int = MAX_IMAGE_PIXELS, say=None) -> Inputs:
     """Each input file as given; each folder's image files below it (hidden ones left out), as
     the folder joined with their path below it, in sorted order; each data set's samples, as
-    the set joined with their name (`split/...`, as `ddptrain check` names them)."""
+    the set joined with their name (`split/...`, as `ddptrain check` names them). `say` hears
+    of a URL's failed requests being tried again."""
     found = Inputs()
     for given in inputs:
-        source = _data_set(given, max_pixels)
+        source = _data_set(given, max_pixels, say)
         if source is not None:
             named_index = given.endswith(".json")  # an index file's samples are beside it
             base = os.path.dirname(given) if named_index else given.rstrip("/")
@@ -138,12 +139,12 @@ def list_inputs(inputs: list[str], max_pixels: int = MAX_IMAGE_PIXELS) -> Inputs
     return found
 
 
-def _data_set(given: str, max_pixels: int):
+def _data_set(given: str, max_pixels: int, say=None):
     """The data source of a packed set (its folder or index file, on a disk or at a URL) or a
     table set; None for anything else, image folders included (walked as folders, which names
     their images alike)."""
     if is_url(given):
-        return packed_at_url(Remote(given), max_pixels)
+        return packed_at_url(Remote(given, say=say), max_pixels)
     root = Path(given)
     packed = (root / INDEX).is_file() or (root.suffix == ".json" and root.is_file())
     if packed or (root.is_dir() and is_table_set(root)):
