@@ -69,6 +69,13 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def printable(text: str) -> str:
+    """text with what a terminal would act on or cannot show escaped as Python writes it
+    (newlines, escape codes, lone surrogates): a name read from a file or a server (a packed
+    set's index) can then forge no line of output."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def one_line(err: BaseException) -> str:
     """The user-facing message of err.
 

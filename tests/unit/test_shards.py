@@ -149,6 +149,29 @@ def test_a_bad_image_in_a_shard_is_named_with_its_shard(packed):
         dataset[2]
 
 
+def test_a_sample_larger_than_an_image_of_the_limit_is_refused_unread(packed):
+    def larger(index):
+        index["splits"]["train"][0]["bytes"] = 10**7
+        first_sample(index)[1:3] = [0, 2 * 10**6]
+
+    rewrite(packed, larger)
+    source = shards.ShardSource.open(shards.LocalFiles(str(packed)), max_pixels=1)
+    said = "image arrow/00000.png: it has 2,000,000 bytes, more than an image of "
+    assert source.problem("train/arrow/00000.png").startswith(said)
+    part = source.index.splits["train"]
+    with pytest.raises(UserError, match=f"train/000000.tar: {said}"):
+        source.load(part, 0)
+
+
+def test_names_from_an_index_are_shown_escaped(packed):
+    forged = "x.png\nddptrain: all images decode \x1b[2J\u202e"
+    rewrite(packed, lambda index: first_sample(index).__setitem__(0, forged))
+    source = source_at(packed)
+    shown = f"x.png\\nddptrain: all images decode \\x1b[2J\\u202e in {packed}/train/000000.tar"
+    assert source.shown(f"train/{forged}") == shown
+    assert source.split("train").dataset[0][0].shape[0] == 3  # and the image is read as before
+
+
 def rewrite(packed, change):
     index = json.loads((packed / "index.json").read_text())
     change(index)
@@ -180,6 +203,11 @@ def first_sample(index, split="train"):
         ),
         (lambda i: i["splits"]["train"][1].update(shard="train/000000.tar"), "not a new"),
         (lambda i: i["splits"]["train"][0].update(bytes=-5), "bytes -5 is not a size"),
+        (
+            lambda i: first_sample(i).__setitem__(0, "\ud800.png"),
+            r"sample 0: '\\ud800.png' is no file name's text",
+        ),
+        (lambda i: i.update(classes=["a", "\ud800", "b"]), '"classes" must be a list of'),
         (lambda i: i["splits"]["val"][1].update(samples={}), "samples must be a list"),
         (
             lambda i: i["splits"]["val"][1]["samples"].append(first_sample(i, "val")),

@@ -15,6 +15,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extensi
 from torchvision.transforms.v2 import functional as F
 
 from ddptrain.config import MAX_IMAGE_PIXELS
+from ddptrain.data import heif
 from ddptrain.errors import UserError
 
 try:  # a GPU machine's own torch may have no TorchCodec built for it: PIL decodes then
@@ -46,19 +47,20 @@ def load_rgb(
     path: str, max_pixels: int | None = MAX_IMAGE_PIXELS, jpeg_later: bool = False
 ) -> torch.Tensor | Jpeg:
     """An image file as a uint8 RGB tensor (3, H, W); names the file when it cannot be decoded,
-    or when its header declares more than max_pixels pixels (a decompression bomb).
+    when its header declares more than max_pixels pixels (a decompression bomb), or when it is
+    larger than such an image can be (max_file_bytes: refused unread).
     `jpeg_later`: a JPEG that needs no more than decoding to RGB (no EXIF turn, no CMYK) comes
     back as a Jpeg, its header checked.
 
-    TorchCodec decodes JPEG, PNG and WebP straight into a tensor (the same libjpeg-turbo, libpng
-    and libwebp pixels as PIL, without PIL's image object and conversions), and turns a photo
-    upright by its EXIF orientation; GIF, animated WebP, other formats (BMP, TIFF, PPM) and
-    files it refuses go through PIL, upright alike, whose error names what is wrong. Animated
-    files through PIL: TorchCodec decodes every frame, which the size check (of one frame) would
-    not bound.
+    TorchCodec decodes JPEG, PNG, WebP, AVIF and HEIC straight into a tensor (the same
+    libjpeg-turbo, libpng and libwebp pixels as PIL, without PIL's image object and
+    conversions), and turns a photo upright by its EXIF orientation; GIF, animated or
+    multi-frame files PIL reads, other formats (BMP, TIFF, PPM) and files TorchCodec refuses
+    go through PIL, upright alike, whose error names what is wrong. A multi-image HEIC gives
+    its first image, all of its images bounded by max_pixels together.
     """
     try:
-        return _decode(_read(path), max_pixels, path if jpeg_later else None)
+        return _decode(_read(path, max_pixels), max_pixels, path if jpeg_later else None)
     except _Unreadable as err:
         raise _cannot_read(path, err) from None
 
@@ -102,60 +104,119 @@ def decode_problem(encoded: bytes, max_pixels: int | None = MAX_IMAGE_PIXELS) ->
 
 
 def _read_rgb(path: str, max_pixels: int | None) -> torch.Tensor:
-    return _decode(_read(path), max_pixels)
+    return _decode(_read(path, max_pixels), max_pixels)
 
 
-def _read(path: str) -> bytes:
+def max_file_bytes(max_pixels: int) -> int:
+    """The largest file an image of max_pixels may be: 8 bytes a pixel (16-bit RGBA, raw) and
+    1 MiB of metadata. A larger one is refused before it is read."""
+    return 8 * max_pixels + (1 << 20)
+
+
+def too_large(size: int, max_pixels: int | None) -> str | None:
+    """Why an encoded image of `size` bytes is refused unread, or None."""
+    if max_pixels is None or size <= max_file_bytes(max_pixels):
+        return None
+    return (
+        f"it has {size:,} bytes, more than an image of --max-image-pixels {max_pixels:,} "
+        f"takes ({max_file_bytes(max_pixels):,}: 8 bytes a pixel and 1 MiB)"
+    )
+
+
+def _read(path: str, max_pixels: int | None = None) -> bytes:
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO's read would wait forever
+        found = os.stat(path)
+        if not stat.S_ISREG(found.st_mode):  # a FIFO's read would wait forever
             raise _Unreadable("not a regular file")
+        if why := too_large(found.st_size, max_pixels):
+            raise _Unreadable(why)
         with open(path, "rb") as f:
             return f.read()
     except OSError as err:
         raise _Unreadable(err.strerror) from None
 
 
+class _Header(NamedTuple):
+    """What an image's header says, read before anything decodes it."""
+
+    format: str  # PIL's name of it, or HEIF
+    frames: int  # frames or images it holds
+    plain_jpeg: bool  # a JPEG that decoding alone makes RGB (grayscale or colour, upright)
+
+
+# What TorchCodec decodes, one frame of them (GIF always goes through PIL, as torchvision's
+# decoders did); every other format PIL reads goes through PIL.
+_TORCHCODEC = ("JPEG", "PNG", "WEBP", "AVIF", "HEIF")
+
+
 def _decode(
     encoded: bytes, max_pixels: int | None, later_as: str | None = None
 ) -> torch.Tensor | Jpeg:
-    """later_as: a plain JPEG comes back encoded, as a Jpeg of this name."""
-    animated, plain_jpeg = _check_header(encoded, max_pixels)
-    if later_as is not None and plain_jpeg:
+    """later_as: a plain JPEG comes back encoded, as a Jpeg of this name. Nothing decodes an
+    image whose size its header did not give (_check_header)."""
+    header = _check_header(encoded, max_pixels)
+    if later_as is not None and header.plain_jpeg:
         return Jpeg(encoded, later_as)
-    if animated or encoded.startswith((b"GIF87a", b"GIF89a")) or decode_image is None:
-        return _decode_with_pil(encoded)  # an animated file's first frame only
+    # Animated and multi-frame files PIL reads give their first frame through PIL: TorchCodec
+    # decodes every frame, which the size check (of one frame) does not bound.
+    pil_first = header.frames > 1 and header.format != "HEIF"
+    if pil_first or header.format not in _TORCHCODEC or decode_image is None:
+        return _one_frame(_decode_with_pil(encoded))
     try:
         # "auto": a 16-bit PNG's values, brought to 8 bits below as torchvision.io's were
         image = decode_image(encoded, mode="RGB", output_dtype="auto")
-    except (RuntimeError, ValueError):  # a format TorchCodec does not read, or a bad file
-        return _decode_with_pil(encoded)
+    except (RuntimeError, ValueError):  # a bad file, or libheif missing
+        return _one_frame(_decode_with_pil(encoded))
+    if image.ndim == 4 and header.frames > 1:  # a HEIF's images, bounded together: the first
+        image = image[0]
+    return _one_frame(image)
+
+
+def _one_frame(image: torch.Tensor) -> torch.Tensor:
+    """The decoded image as uint8 RGB (3, H, W); anything else (frames the header did not
+    declare) is refused."""
+    if image.ndim != 3 or image.shape[0] != 3:
+        raise _Unreadable(f"it decodes to {tuple(image.shape)}, not one RGB image (3, H, W)")
     if image.dtype != torch.uint8:
         image = F.to_dtype(image, torch.uint8, scale=True)
     return image
 
 
-def _check_header(encoded: bytes, max_pixels: int | None) -> tuple[bool, bool]:
-    """Whether the file is animated, and whether it is a JPEG that decoding alone makes RGB
-    (grayscale or colour, upright as stored); refuses a decompression bomb by what its header
-    declares, before a decoder allocates the pixels. PIL reads just the header here, a small
-    fraction of a decode's cost."""
+def _check_header(encoded: bytes, max_pixels: int | None) -> _Header:
+    """What the header says; refuses a decompression bomb by what its header declares, before
+    a decoder allocates the pixels. PIL reads just the header here, a small fraction of a
+    decode's cost; a HEIF file, which PIL does not read, has its own header read (heif.py)."""
+    if why := too_large(len(encoded), max_pixels):
+        raise _Unreadable(why)
     try:
         with Image.open(io.BytesIO(encoded)) as image:
-            width, height = image.size
-            animated = image.format == "WEBP" and getattr(image, "is_animated", False)
+            (width, height), frames = image.size, getattr(image, "n_frames", 1)
             plain_jpeg = (
                 image.format == "JPEG"
                 and image.mode in ("L", "RGB")
                 and image.getexif().get(ExifTags.Base.Orientation, 1) == 1
             )
-    except Exception:  # no header PIL knows (its errors vary): the decoders will say why
-        return False, False
-    if max_pixels is not None and width * height > max_pixels:
+            header = _Header(image.format, frames, plain_jpeg)
+            sizes = [(width, height)]
+    except Exception:  # no header PIL knows (its errors vary)
+        if not heif.is_heif(encoded):
+            return _Header("", 1, False)  # no decoder will read it: PIL says why
+        try:
+            sizes = heif.image_sizes(encoded)
+        except heif.Damaged as err:
+            raise _Unreadable(f"a HEIF file (HEIC, AVIF) with a bad header: {err}") from None
+        header = _Header("HEIF", len(sizes), False)
+    pixels = sum(width * height for width, height in sizes)
+    if max_pixels is not None and pixels > max_pixels:
+        width, height = max(sizes, key=lambda size: size[0] * size[1])
+        declared = f"{width} x {height}"
+        if len(sizes) > 1:
+            declared = f"{len(sizes)} images of up to {declared}, in all"
         raise _Unreadable(
-            f"its header declares {width} x {height} = {width * height:,} pixels, more than "
+            f"its header declares {declared} = {pixels:,} pixels, more than "
             f"--max-image-pixels {max_pixels:,} (a decompression bomb, or raise the limit)"
         )
-    return animated, plain_jpeg
+    return header
 
 
 def _decode_with_pil(encoded: bytes) -> torch.Tensor:
@@ -199,7 +260,7 @@ class ImageFolder(datasets.ImageFolder):
         stores (data/tables.py's rows give the same)."""
         path = self.samples[i][0]
         try:
-            encoded = _read(path)
+            encoded = _read(path, self.max_pixels)
         except _Unreadable as err:
             raise UserError(f"cannot read {path}: {err}") from None
         return encoded, os.path.splitext(path)[1][1:].lower()

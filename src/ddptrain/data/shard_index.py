@@ -15,13 +15,14 @@ ends the run in one line instead of reading outside a shard in a loader worker.
 """
 
 import json
+import os
 import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from ddptrain.data.split import SPLITS
-from ddptrain.errors import UserError
+from ddptrain.errors import UserError, printable
 
 FORMAT, VERSION = "ddptrain-packed", 1
 INDEX = "index.json"
@@ -132,19 +133,21 @@ def _samples(where: str, shard: str, samples, shard_size: int, num_classes: int)
         ok = isinstance(sample, list) and len(sample) == 4 and isinstance(sample[0], str)
         if not (ok and sample[0] and all(type(v) is int for v in sample[1:])):
             raise _bad(where, f"{shard}, sample {i}: {sample!r} is not [name, offset, size, label]")
+        if not _file_name(sample[0]):
+            raise _bad(where, f"{shard}, sample {i}: {sample[0]!r} is no file name's text")
     # Python's integers (dtype object) until checked: JSON's may exceed 64 bits.
     numbers = np.array([s[1:] for s in samples], dtype=object).reshape(-1, 3)
     offset, size, label = numbers.T
     for i in np.flatnonzero((offset < 0) | (size < 0) | (offset + size > shard_size))[:1]:
         raise _bad(
             where,
-            f"{shard}, sample {i} ({samples[i][0]}): bytes {offset[i]} to {offset[i] + size[i]} "
-            f"lie outside the shard's {shard_size} bytes",
+            f"{shard}, sample {i} ({printable(samples[i][0])}): bytes {offset[i]} to "
+            f"{offset[i] + size[i]} lie outside the shard's {shard_size} bytes",
         )
     for i in np.flatnonzero((label < 0) | (label >= num_classes))[:1]:
         raise _bad(
             where,
-            f"{shard}, sample {i} ({samples[i][0]}): label {label[i]} is not one of the "
+            f"{shard}, sample {i} ({printable(samples[i][0])}): label {label[i]} is not one of the "
             f"{num_classes} classes",
         )
     return [s[0] for s in samples], numbers.astype(np.int64)
@@ -159,7 +162,19 @@ def _relative(path) -> bool:
 
 
 def _list_of_names(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(v, str) and v for v in value)
+    return isinstance(value, list) and bool(value) and all(map(_file_name, value))
+
+
+def _file_name(name) -> bool:
+    """A non-empty string that a file name's bytes give (os.fsdecode's surrogate escapes, but
+    no other lone surrogate: it could not be written to a file, a digest or a terminal)."""
+    if not isinstance(name, str) or not name:
+        return False
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _bad(where: str, what: str) -> UserError:

@@ -21,7 +21,7 @@ from ddptrain.config import MAX_IMAGE_PIXELS
 from ddptrain.data import folder, shard_index
 from ddptrain.data.shard_index import INDEX, SplitIndex
 from ddptrain.data.split import SPLITS, Split
-from ddptrain.errors import UserError
+from ddptrain.errors import UserError, printable
 
 
 def _open_shards() -> int:
@@ -178,16 +178,18 @@ class ShardSource:
         return folder.decode_rgb(encoded, shown, self.max_pixels, jpeg_later)
 
     def shown_at(self, part: SplitIndex, i: int) -> str:
-        return f"{part.names[i]} in {self.shard_path(part, i)}"
+        return f"{printable(part.names[i])} in {self.shard_path(part, i)}"
 
     def _read(self, part: SplitIndex, i: int) -> tuple[bytes, str | None]:
         offset, size, shard = int(part.offset[i]), int(part.size[i]), int(part.shard[i])
+        if why := folder.too_large(size, self.max_pixels):  # unread: the index says its size
+            return b"", f"image {printable(part.names[i])}: {why}"
         encoded = self.reader.read(part.shards[shard], offset, size, part.shard_bytes[shard])
         if len(encoded) == size:
             return encoded, None
         return encoded, (
-            f"ends before image {part.names[i]} (bytes {offset} to {offset + size}): cut short "
-            "since it was packed; pack it again"
+            f"ends before image {printable(part.names[i])} (bytes {offset} to "
+            f"{offset + size}): cut short since it was packed; pack it again"
         )
 
     def _checked(self, split: str) -> SplitIndex:
