@@ -13,6 +13,7 @@ import pytest
 import torch
 import torchvision
 from cli import ddptrain, ok, tiny_args, torchrun, val_records
+from test_user_errors import assert_user_error
 
 from ddptrain.tools.export import describe
 
@@ -198,3 +199,12 @@ def test_a_packed_set_at_a_url_is_predicted_as_on_the_disk(
         assert {k: v for k, v in remote.items() if k != "path"} == {
             k: v for k, v in disk.items() if k != "path"
         }
+
+
+def test_a_model_file_naming_an_unknown_arch_is_one_line(trained, tiny_data, tmp_path):
+    checkpoint = torch.load(trained / "checkpoint.pt", weights_only=True)
+    torch.save({**checkpoint, "arch": "resnet_nope"}, tmp_path / "c.pt")
+    out = tmp_path / "p.csv"
+    result = ddptrain("predict", tmp_path / "c.pt", tiny_data / "val", "--out", out, "-j", 0)
+    assert_user_error(result, f"MODEL {tmp_path}/c.pt says arch is 'resnet_nope': no model")
+    assert not out.exists()

@@ -1,5 +1,7 @@
 import csv
 import json
+import os
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -88,3 +90,24 @@ def test_an_out_of_another_kind_is_refused_before_any_work(tmp_path):
         prediction_files.check(tmp_path / "p.txt")
     with pytest.raises(UserError, match=r"no directory"):
         prediction_files.check(tmp_path / "no" / "p.csv")
+
+
+def unwritable_directory(tmp_path) -> Path:
+    """A directory this process cannot create files in: one without write permission, or, for
+    root, whom permissions do not stop, sysfs, which takes no new files from anyone."""
+    if os.geteuid() == 0:
+        return Path("/sys")
+    (tmp_path / "read-only").mkdir(mode=0o555)
+    return tmp_path / "read-only"
+
+
+def test_an_out_that_could_not_be_written_is_refused_before_any_work(tmp_path):
+    (tmp_path / "p.csv").mkdir()
+    with pytest.raises(UserError, match=rf"^predict: --out {tmp_path}/p.csv is a directory;"):
+        prediction_files.check(tmp_path / "p.csv")
+    blocked = unwritable_directory(tmp_path)
+    with pytest.raises(UserError, match=rf"^predict: --out {blocked}/p.csv: cannot write in "):
+        prediction_files.check(blocked / "p.csv")
+    before = sorted(tmp_path.iterdir())
+    prediction_files.check(tmp_path / "q.csv")
+    assert sorted(tmp_path.iterdir()) == before  # the check leaves nothing behind

@@ -9,6 +9,7 @@ from ddptrain.cli import parse
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import UserError
 from ddptrain.model.build import build_model, load_pretrained
+from ddptrain.model.providers import provider
 from ddptrain.tools.export import export
 
 ONE = DistEnv(0, 1, 0, 1, torch.device("cpu"))
@@ -96,12 +97,31 @@ def test_a_file_for_another_arch_is_one_clear_error(tmp_path):
         load_pretrained(fresh_model(), "resnet18", ONE, source=str(bare))
 
 
-def test_a_weight_of_another_shape_outside_the_head_is_refused(tmp_path):
+# (64, 3, 5, 5) differs in a kernel; (32, 3, 7, 7) in its first dimension only, as a
+# classifier of another class count would, but conv1 is no classifier.
+@pytest.mark.parametrize("shape", [(64, 3, 5, 5), (32, 3, 7, 7)])
+def test_a_weight_of_another_shape_outside_the_head_is_refused(tmp_path, shape):
     state = torchvision.models.resnet18(num_classes=3).state_dict()
-    state["conv1.weight"] = torch.zeros(64, 3, 5, 5)
+    state["conv1.weight"] = torch.zeros(shape)
     save_file(state, tmp_path / "odd.safetensors")
-    with pytest.raises(UserError, match=r"conv1.weight is \(64, 3, 5, 5\) there and \(64, 3, 7, 7"):
+    with pytest.raises(UserError, match=rf"conv1.weight is \({', '.join(map(str, shape))}\) there"):
         load_pretrained(fresh_model(), "resnet18", ONE, source=str(tmp_path / "odd.safetensors"))
+
+
+@pytest.mark.parametrize(
+    ("arch", "heads"),
+    [
+        ("resnet18", ["fc"]),
+        ("squeezenet1_0", ["classifier.1"]),
+        ("googlenet", ["aux1.fc2", "aux2.fc2", "fc"]),
+        ("inception_v3", ["AuxLogits.fc", "fc"]),
+        ("timm:deit_tiny_distilled_patch16_224", ["head", "head_dist"]),
+    ],
+)
+def test_the_provider_names_every_classifier_auxiliary_ones_too(arch, heads):
+    model = build_model(arch, 3, 32, False, meta=True)
+    names = provider(arch).classifier_names(model)
+    assert names == {f"{head}.{p}" for head in heads for p in ("weight", "bias")}
 
 
 @pytest.mark.parametrize("name", ["missing.pt", "garbage.safetensors", "garbage.pt", "."])

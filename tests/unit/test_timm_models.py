@@ -1,12 +1,13 @@
 """timm's models through the provider seam: names, building at a crop size, fsdp's units, timm's
 own layer grouping, the preprocessing of published weights, export."""
 
+import hashlib
 import json
 
 import pytest
 import timm
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 from timm.optim import param_groups_layer_decay
 
 from ddptrain.config import Config
@@ -221,3 +222,36 @@ def test_grad_checkpointing_on_a_model_without_it_is_refused():
     model = build_model("timm:inception_v3", 3, 32, False, meta=True)
     with pytest.raises(UserError, match="--grad-checkpointing: timm:inception_v3 does not support"):
         TIMM.set_grad_checkpointing(model, "timm:inception_v3")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "altered"])
+def test_a_damaged_file_in_the_hugging_face_cache_is_one_line_saying_to_fetch_it_again(
+    tmp_path, monkeypatch, damage
+):
+    """The cache's layout, as `hf download timm/test_vit.r160_in1k` leaves it: the snapshot's
+    file a link to a blob named by its sha256. Truncated: the file is no safetensors file any
+    more; altered: it still is, but its bytes no longer match its name."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # read when called
+    repo = tmp_path / "hub" / "models--timm--test_vit.r160_in1k"
+    published = save(timm.create_model("test_vit").state_dict())
+    blob = repo / "blobs" / hashlib.sha256(published).hexdigest()
+    snapshot = repo / "snapshots" / ("0" * 40)
+    for folder in (blob.parent, snapshot, repo / "refs"):
+        folder.mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    damaged = (
+        published[: len(published) // 2] if damage == "truncated" else published[:-4] + b"\0" * 4
+    )
+    blob.write_bytes(damaged)
+    (snapshot / "model.safetensors").symlink_to(blob)
+    model = build_model("timm:test_vit", 3, 32, False)
+    env = DistEnv(0, 1, 0, 1, torch.device("cpu"))
+    with pytest.raises(UserError) as caught:
+        load_pretrained(model, "timm:test_vit", env, image_size=32)
+    assert str(caught.value).startswith(f"--pretrained: {blob}, ")
+    assert "hf download timm/test_vit.r160_in1k model.safetensors --force-download" in str(
+        caught.value
+    )
+    assert "\n" not in str(caught.value)

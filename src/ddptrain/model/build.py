@@ -189,7 +189,7 @@ def _load_file(model: nn.Module, arch: str, path: Path, classes: list[str] | Non
             f"({', '.join(missing[:3]) or 'none'}), {len(unexpected)} unexpected "
             f"({', '.join(unexpected[:3]) or 'none'})"
         )
-    head = _head_of_other_class_count(own, state, path)
+    head = _head_of_other_class_count(own, state, provider(arch).classifier_names(model), path)
     model.load_state_dict({k: v for k, v in state.items() if k not in head}, strict=False)
     return head
 
@@ -206,14 +206,15 @@ def _check_classes(path: Path, classes: list[str], theirs: list[str]) -> None:
     )
 
 
-def _head_of_other_class_count(own: dict, state: dict, path: Path) -> list[str]:
-    """The weights whose shapes differ, provided they differ only as a classifier head of
-    another class count does: in the first dimension, by the same two counts everywhere
-    (fc, or inception's and googlenet's auxiliary heads too)."""
+def _head_of_other_class_count(own: dict, state: dict, heads: set[str], path: Path) -> list[str]:
+    """The weights whose shapes differ, provided they are the classifiers' (`heads`: fc, or
+    inception's and googlenet's auxiliary heads too) and differ only as those of another class
+    count do: in the first dimension, by the same two counts everywhere. Any other weight of
+    another shape is refused: it would start random, unsaid."""
 
     def head_like(k: str) -> bool:
         here, there = own[k].shape, state[k].shape
-        return len(here) == len(there) >= 1 and here[1:] == there[1:]
+        return k in heads and len(here) == len(there) >= 1 and here[1:] == there[1:]
 
     differ = sorted(k for k in own if own[k].shape != state[k].shape)
     counts = {(own[k].shape[0], state[k].shape[0]) for k in differ if head_like(k)}
@@ -221,7 +222,8 @@ def _head_of_other_class_count(own: dict, state: dict, path: Path) -> list[str]:
         k = next((k for k in differ if not head_like(k)), differ[0])
         raise UserError(
             f"--pretrained: {path} does not fit this model: {k} is {tuple(state[k].shape)} "
-            f"there and {tuple(own[k].shape)} here"
+            f"there and {tuple(own[k].shape)} here (only the classifier's weights may differ: "
+            "those of another class count)"
         )
     return differ
 

@@ -8,7 +8,9 @@ all: the Hub's client retries an unreachable host for about half a minute, print
 where a user wants one line at once.
 """
 
+import hashlib
 import os
+import re
 import socket
 import urllib.parse
 import urllib.request
@@ -17,6 +19,8 @@ from pathlib import Path
 from ddptrain.errors import UserError, first_line
 
 WEIGHTS_FILE = "model.safetensors"  # what timm publishes on the Hub, tensors only
+# The cache keeps a large file's bytes in `blobs/<sha256 of them>`, which the snapshot links to.
+HASHED_BLOB = re.compile(r"[0-9a-f]{64}")
 REACH_TIMEOUT = 5.0  # seconds to connect to the Hub before calling it unreachable
 
 
@@ -29,9 +33,11 @@ def weights_file(repo: str, filename: str = WEIGHTS_FILE) -> Path:
     repo_id, _, revision = repo.partition("@")
     where = dict(repo_id=repo_id, filename=filename, revision=revision or None)
     try:
-        return Path(hf_hub_download(**where, local_files_only=True))
+        cached = Path(hf_hub_download(**where, local_files_only=True))
     except LocalEntryNotFoundError:
         pass
+    else:
+        return _intact(cached, repo_id, filename, revision)
     unreachable = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else _unreachable()
     if unreachable is None:
         try:
@@ -44,6 +50,38 @@ def weights_file(repo: str, filename: str = WEIGHTS_FILE) -> Path:
         f"where there is a network, with `hf download {repo_id} {filename}` into the same cache "
         "(HF_HOME), or pass --pretrained FILE"
     )
+
+
+def _intact(path: Path, repo_id: str, filename: str, revision: str) -> Path:
+    """path, a cached file, if its bytes are those published: a safetensors file, and where
+    the cache names its bytes by their sha256, those. A torn download or a damaged disk
+    otherwise ends in a traceback from the library that reads it, or loads unnoticed."""
+    from safetensors import SafetensorError, safe_open
+
+    blob = path.resolve()
+    try:
+        with safe_open(blob, framework="pt"):
+            pass
+        damage = _hash_mismatch(blob)
+    except (SafetensorError, OSError) as err:
+        damage = first_line(err)
+    if damage is None:
+        return path
+    again = f"hf download {repo_id} {filename} --force-download"
+    again += f" --revision {revision}" if revision else ""
+    raise UserError(
+        f"--pretrained: {blob}, {repo_id}'s {filename} in the Hugging Face cache, is damaged "
+        f"({damage}); fetch it again with `{again}` (where there is a network, into the same "
+        "cache: HF_HOME)"
+    )
+
+
+def _hash_mismatch(blob: Path) -> str | None:
+    if not HASHED_BLOB.fullmatch(blob.name):
+        return None  # a file the Hub keeps in git, small: named by git's hash, not checked
+    with open(blob, "rb") as f:
+        found = hashlib.file_digest(f, "sha256").hexdigest()
+    return None if found == blob.name else f"its sha256 is {found[:12]}..., not {blob.name[:12]}..."
 
 
 def _unreachable() -> str | None:

@@ -79,11 +79,21 @@ class Torchvision:
         `fc`, `classifier`, `heads` or `head` (the layer the class count shapes)."""
         for attribute in _HEADS:
             part = getattr(model, attribute, None)
-            if isinstance(part, nn.Module):
-                layers = [m for m in part.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
-                if layers:
-                    return (layers[-1],)
+            layer = _last_layer(part) if isinstance(part, nn.Module) else None
+            if layer is not None:
+                return (layer,)
         raise AssertionError(f"no classifier head found in {type(model).__name__}")
+
+    def classifier_names(self, model: nn.Module) -> set[str]:
+        """The state dict's names of every layer the class count shapes: the head's, and the
+        auxiliary heads' of googlenet and inception_v3 (the last layer of each InceptionAux),
+        which training without them drops but the model still holds."""
+        from torchvision.models.googlenet import InceptionAux as GoogLeNetAux
+        from torchvision.models.inception import InceptionAux
+
+        auxiliary = (GoogLeNetAux, InceptionAux)
+        heads = [_last_layer(m) for m in model.modules() if isinstance(m, auxiliary)]
+        return _state_names(model, (*self.classifier(model), *heads))
 
     def layer_ids(self, model: nn.Module) -> dict[str, int]:
         """Each parameter's layer, counted from the input: 0 the stem (what comes before the
@@ -325,6 +335,11 @@ class Timm:
         heads = model.get_classifier()
         return heads if isinstance(heads, tuple) else (heads,)
 
+    def classifier_names(self, model: nn.Module) -> set[str]:
+        """The state dict's names of every layer the class count shapes: the head's (both of
+        a distilled model). timm builds no auxiliary heads unless asked (aux_logits)."""
+        return _state_names(model, self.classifier(model))
+
     def layer_ids(self, model: nn.Module) -> dict[str, int]:
         """Parameter name -> layer index (0: the stem, highest: the head), as timm's
         `param_groups_layer_decay` assigns them: by the model's group_matcher, else timm's
@@ -356,6 +371,23 @@ class Timm:
                 f"--grad-checkpointing: {arch} does not support gradient checkpointing in timm; "
                 "drop the flag, or choose a model that does (vit, convnext, resnet, efficientnet)"
             ) from None
+
+
+def _last_layer(part: nn.Module) -> nn.Module | None:
+    """The last layer with weights in part: a head's classifier (a Linear, or squeezenet's
+    1x1 Conv2d)."""
+    layers = [m for m in part.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    return layers[-1] if layers else None
+
+
+def _state_names(model: nn.Module, layers: tuple[nn.Module, ...]) -> set[str]:
+    """The state dict's names of the tensors of `layers`, modules of model."""
+    return {
+        f"{name}.{key}"
+        for name, module in model.named_modules()
+        if any(module is layer for layer in layers)
+        for key in module.state_dict()
+    }
 
 
 def _outermost(model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> list:

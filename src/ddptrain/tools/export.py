@@ -20,6 +20,7 @@ from ddptrain.data.transforms import normalization, val_sizes
 from ddptrain.errors import UserError
 from ddptrain.model.providers import provider
 from ddptrain.state import files, sharded
+from ddptrain.tools import model_record
 
 SUFFIX = ".safetensors"
 
@@ -32,8 +33,7 @@ def export(checkpoint_path: Path, out: Path) -> dict:
     """Writes out and its JSON sidecar, each atomically; returns the sidecar's contents."""
     if out.suffix != SUFFIX:
         raise UserError(f"export: --out {out} must end in {SUFFIX} (W.json goes beside it)")
-    if not out.parent.is_dir():
-        raise UserError(f"export: --out {out}: no directory {out.parent}")
+    check_out(out)
     if not checkpoint_path.exists():
         raise UserError(f"export: no checkpoint at {checkpoint_path}")
     # A sharded folder is gathered here, in this one process, as `ddptrain convert` does.
@@ -54,19 +54,48 @@ def export(checkpoint_path: Path, out: Path) -> dict:
     return description
 
 
-def describe(checkpoint: dict, path: Path) -> dict:
-    """What a user of the weights needs besides them, from the checkpoint and its config."""
+def check_out(out: Path) -> None:
+    """Refuses an --out that could not be written, or whose JSON would replace a file that is
+    not an export's description (`--out RUN/config.safetensors` would put it in place of the
+    run's config.json), before anything is read or written. An earlier export's is replaced."""
+    if out.is_dir():
+        raise UserError(f"export: --out {out} is a directory; give the file to write")
+    if not out.parent.is_dir():
+        raise UserError(f"export: --out {out}: no directory {out.parent}")
+    sidecar = sidecar_path(out)
+    if sidecar.exists() and not model_record.is_description(sidecar):
+        raise UserError(
+            f"export: --out {out}: the JSON written beside it would replace {sidecar}, which "
+            "is not an export's description; give --out another name"
+        )
+
+
+def describe(checkpoint: dict, path: Path, what: str = "export:") -> dict:
+    """What a user of the weights needs besides them, from the checkpoint and its config.
+    `what` names path in errors."""
     config = checkpoint.get("config") or {}
     missing = [key for key in ("arch", "class_to_idx") if key not in checkpoint]
     missing += [] if "image_size" in config else ["config.image_size"]
     if missing:
-        raise UserError(f"export: {path} lacks {', '.join(missing)}: not a ddptrain training run")
-    class_to_idx = checkpoint["class_to_idx"]
+        raise UserError(f"{what} {path} lacks {', '.join(missing)}: not a ddptrain training run")
+    class_to_idx, num_classes = checkpoint["class_to_idx"], checkpoint.get("num_classes")
+    recorded = {
+        "arch": checkpoint["arch"],
+        "class_to_idx": class_to_idx,
+        "num_classes": num_classes,
+        "model_image_size": config["image_size"],
+        "image_size": config.get("val_crop"),  # the crop; --image-size's unless given
+        **{key: config.get(key) for key in ("val_resize", "interpolation", "mean", "std")},
+    }
+    recorded = {key: value for key, value in recorded.items() if value is not None}
+    said = f"{what} {path} says"
+    model_record.check(recorded, said, model_record.IN_CHECKPOINT, model_record.DAMAGED_CHECKPOINT)
     sizes = {key: config.get(key) for key in ("val_crop", "val_resize", "mean", "std")}
-    data = Config(image_size=int(config["image_size"]), **sizes).data
+    data = Config(image_size=config["image_size"], **sizes).data
     resize, crop = val_sizes(data)
     mean, std = normalization(data)
-    arch, num_classes = checkpoint["arch"], int(checkpoint.get("num_classes", len(class_to_idx)))
+    arch = checkpoint["arch"]
+    num_classes = len(class_to_idx) if num_classes is None else num_classes
     maker = provider(arch)
     built_by = {}
     if maker.library == "timm":  # how to build the model these weights load into

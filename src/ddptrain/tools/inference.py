@@ -18,19 +18,8 @@ from ddptrain.data.transforms import build_val_transform
 from ddptrain.errors import UserError, first_line
 from ddptrain.model.build import build_model
 from ddptrain.state import files, sharded
+from ddptrain.tools import model_record
 from ddptrain.tools.export import SUFFIX, describe, sidecar_path
-
-# What predict needs of an export's JSON (export.describe writes them all).
-NEEDED = (
-    "arch",
-    "num_classes",
-    "classes",
-    "image_size",
-    "val_resize",
-    "interpolation",
-    "mean",
-    "std",
-)
 
 
 @dataclass
@@ -61,7 +50,7 @@ def load_trained(path: Path, ema: bool = False, what: str = "MODEL") -> Trained:
     else:
         # A sharded folder is gathered here, in this one process, as `ddptrain export` does.
         checkpoint = sharded.to_single(path) if path.is_dir() else files.load(path)
-        description = describe(checkpoint, path)
+        description = describe(checkpoint, path, what)
         weights = _checkpoint_weights(checkpoint, path, ema)
     arch, num_classes = description["arch"], description["num_classes"]
     # Built for the training size, which the val crop need not be; exports written before
@@ -93,9 +82,12 @@ def _read_export(path: Path, what: str) -> tuple[dict[str, torch.Tensor], dict]:
             f"{what} {path}: cannot read {description_path} ({first_line(err)}), which "
             "`ddptrain export` writes beside the weights and names the model and its classes"
         ) from None
-    missing = [key for key in NEEDED if not isinstance(description, dict) or key not in description]
+    needed = model_record.NEEDED
+    missing = [key for key in needed if not isinstance(description, dict) or key not in description]
     if missing:
         raise UserError(f"{what} {path}: {description_path} lacks {', '.join(missing)}")
+    said = f"{what} {path}: {description_path} says"
+    model_record.check(description, said, {}, model_record.DAMAGED_DESCRIPTION)
     try:
         weights = load_file(path)
     except (SafetensorError, OSError) as err:

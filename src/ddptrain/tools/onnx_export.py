@@ -17,7 +17,7 @@ from torch import nn
 
 from ddptrain.errors import UserError, first_line
 from ddptrain.state import files
-from ddptrain.tools.export import sidecar_path
+from ddptrain.tools.export import check_out, sidecar_path
 from ddptrain.tools.inference import load_trained
 
 SUFFIX = ".onnx"
@@ -33,8 +33,7 @@ def export_onnx(checkpoint_path: Path, out: Path) -> tuple[dict, float]:
     largest difference between onnxruntime's logits and torch's."""
     if out.suffix != SUFFIX:
         raise UserError(f"export: --out {out} must end in {SUFFIX} with --format onnx")
-    if not out.parent.is_dir():
-        raise UserError(f"export: --out {out}: no directory {out.parent}")
+    check_out(out)
     runtime = _runtime()
     trained = load_trained(checkpoint_path, what="export: CKPT")
     size = trained.description["image_size"]

@@ -10,6 +10,7 @@ leaves the earlier file or none, never a partial one that looks complete.
 import csv
 import io
 import json
+import tempfile
 from pathlib import Path
 
 from ddptrain.errors import UserError
@@ -22,10 +23,26 @@ def check(out: Path) -> None:
     """Refuses an --out that could not be written, before any image is read."""
     if out.suffix not in FORMATS:
         raise UserError(f"predict: --out {out} must end in {', '.join(FORMATS)}")
+    if out.is_dir():
+        raise UserError(f"predict: --out {out} is a directory; give the file to write")
     if not out.parent.is_dir():
         raise UserError(f"predict: --out {out}: no directory {out.parent}")
+    _check_writable(out)
     if out.suffix == ".parquet":
         _pyarrow()
+
+
+def _check_writable(out: Path) -> None:
+    """The file is written in place of a temp file beside it (atomic_write), so the directory
+    must take a new file. Tried, not read off the permissions, which root and ACLs override."""
+    try:
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
+    except OSError as err:
+        raise UserError(
+            f"predict: --out {out}: cannot write in {out.parent} ({err.strerror or err}); "
+            "give --out a directory you may write in"
+        ) from None
 
 
 def columns(rows: list[dict], topk: int) -> list[str]:
