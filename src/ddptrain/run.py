@@ -31,6 +31,7 @@ from ddptrain.parallel.parallelize import (
     checkpoint_parts,
     compile_model,
     is_sharded,
+    own_compile_cache,
     rewrapped,
     unwrap,
     will_shard,
@@ -215,6 +216,7 @@ def _build(
     if faults is not None:
         faults.install(unwrap(model))
     if precision.compile:
+        own_compile_cache(env.local_rank)
         model = compile_model(model)
     return trainer.Run(
         config=config,

@@ -1,3 +1,4 @@
+import os
 import threading
 
 import pytest
@@ -226,3 +227,16 @@ def test_mean_and_std_normalise_the_batches_and_std_must_be_positive():
     torch.testing.assert_close(normalised, torch.full((1, 3, 2, 2), 2.0))
     with pytest.raises(UserError, match="--std must be positive"):
         Config(std=(0.2, 0.0, 0.2))
+
+
+def test_each_rank_of_a_node_compiles_into_a_cache_of_its_own(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    from ddptrain.parallel.parallelize import own_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    own_compile_cache(3)
+    assert cache_dir() == os.path.join(default_cache_dir(), "rank3")  # what inductor uses
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the user's own: kept
+    own_compile_cache(1)
+    assert cache_dir() == str(tmp_path)

@@ -6,6 +6,7 @@ parallel/fsdp.py). One rank runs the plain model under either: there is nothing 
 """
 
 import contextlib
+import os
 import warnings
 from collections.abc import Callable
 
@@ -248,6 +249,20 @@ def compile_model(model: nn.Module) -> nn.Module:
     limit = torch._dynamo.config.recompile_limit
     torch._dynamo.config.recompile_limit = max(limit, SHARDED_RECOMPILE_LIMIT)
     return torch.compile(model, dynamic=False)
+
+
+def own_compile_cache(local_rank: int) -> None:
+    """Each rank of a node compiles into a cache folder of its own (inductor's default folder,
+    then rank<local rank>), unless TORCHINDUCTOR_CACHE_DIR names one: inductor writes a
+    compiled kernel's library in place, and ranks that compiled the same kernel at once into one
+    folder loaded each other's half-written files ("main.so: file too short",
+    pytorch/pytorch#180841). Ranks compile at the same time anyway, so sharing saved nothing;
+    each rank's folder still serves its later runs."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        folder = os.path.join(default_cache_dir(), f"rank{local_rank}")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
 
 
 def is_sharded(model: nn.Module) -> bool:
