@@ -390,6 +390,7 @@ def _run(argv: list[str] | None) -> None:
         print(f"wrote {destination} ({saved['arch']}, global step {saved['global_step']})")
         return
     if command == "predict":
+        _start_fork_server(options.workers)
         from ddptrain.report.progress import counting, say
         from ddptrain.tools.predict import predict
 
@@ -402,9 +403,11 @@ def _run(argv: list[str] | None) -> None:
 
         print(answer(options), flush=True)
         return
+    config, layers = options
+    if not config.launch.multiprocessing_distributed:  # else each spawned rank starts its own
+        _start_fork_server(config.data.workers)
     from ddptrain import run
 
-    config, layers = options
     if config.launch.multiprocessing_distributed:
         from ddptrain.distributed.launch import spawn
 
@@ -413,6 +416,15 @@ def _run(argv: list[str] | None) -> None:
             raise SystemExit(code)
         return
     run.train(config, layers=layers)
+
+
+def _start_fork_server(workers: int) -> None:
+    """The loader workers' fork server, started before this process imports torch: it imports
+    what they need meanwhile (data/fork_server.py)."""
+    if workers > 0:
+        from ddptrain.data import fork_server
+
+        fork_server.start()
 
 
 def _predict_request(args: dict):

@@ -15,6 +15,7 @@ import torch
 
 from ddptrain.config import MEMORY_SETTINGS, Config
 from ddptrain.config_layers import Layers
+from ddptrain.data import fork_server
 from ddptrain.data.loaders import Data, build_data
 from ddptrain.distributed.collectives import agree, check_same
 from ddptrain.distributed.env import DistEnv, SpawnSlot, init_distributed, teardown_distributed
@@ -68,6 +69,8 @@ def train(
     """Runs the configured job on this process. Importable: any launcher can call it. layers:
     what each layer of the config gave (config_layers.merge); none, for a Config built in code."""
     layers = layers or Layers()
+    if config.data.workers > 0:
+        fork_server.start()  # it imports what loader workers need while the run sets up
     env = init_distributed(config.launch, config.data.workers, slot, say)
     phases = Phases(env)
     try:

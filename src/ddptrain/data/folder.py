@@ -5,9 +5,11 @@ import hashlib
 import io
 import os
 import stat
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from torchvision import datasets
@@ -16,6 +18,7 @@ from torchvision.transforms.v2 import functional as F
 
 from ddptrain.config import MAX_IMAGE_PIXELS
 from ddptrain.data import heif
+from ddptrain.data.strings import Strings
 from ddptrain.errors import UserError
 
 try:  # a GPU machine's own torch may have no TorchCodec built for it: PIL decodes then
@@ -234,15 +237,50 @@ def _decode_with_pil(encoded: bytes) -> torch.Tensor:
 EXTENSIONS = (*IMG_EXTENSIONS, ".gif")
 
 
+class Samples(Sequence[tuple[str, int]]):
+    """(path, class index) pairs as torchvision's ImageFolder lists them, in a Strings of the
+    paths and an array of the labels: what each loader worker gets of a split
+    (data/strings.py)."""
+
+    def __init__(self, pairs: Iterable[tuple[str, int]]):
+        pairs = list(pairs)
+        self.paths = Strings(path for path, _ in pairs)
+        self.labels = np.array([label for _, label in pairs], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self.paths[index], int(self.labels[index])
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+
 class ImageFolder(datasets.ImageFolder):
     """torchvision's ImageFolder that skips hidden files and folders at any depth
-    (.ipynb_checkpoints, .Trash, a thumbnail cache in a class folder, macOS's ._ files) and
-    takes GIFs too. `loose`: the image files that sit in the split's folder itself, in no class
-    folder, which no class takes (their names, sorted)."""
+    (.ipynb_checkpoints, .Trash, a thumbnail cache in a class folder, macOS's ._ files), takes
+    GIFs too, and keeps its samples compact (Samples). `loose`: the image files that sit in the
+    split's folder itself, in no class folder, which no class takes (their names, sorted)."""
 
     loose: list[str]
     max_pixels: int | None = MAX_IMAGE_PIXELS
     jpeg_later = False  # load_rgb's: --decode-device cuda (data/decode.py)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.samples = self.imgs = Samples(self.samples)
+
+    @property
+    def targets(self) -> list[int]:
+        """Each sample's class index, in order."""
+        return self.samples.labels.tolist()
+
+    @targets.setter
+    def targets(self, value) -> None:
+        """torchvision's __init__ sets them from the samples, whose labels they stay."""
 
     def __getitem__(self, index: int):
         path, target = self.samples[index]
@@ -404,5 +442,4 @@ def leave_out(dataset: ImageFolder, split: str, paths: frozenset[str]) -> None:
             f"--bad-images skip leaves no image in {first} ({len(emptied)} class folder(s) of "
             f"{split}/ emptied): every image there is bad; replace them"
         )
-    dataset.samples = dataset.imgs = kept
-    dataset.targets = [label for _, label in kept]
+    dataset.samples = dataset.imgs = Samples(kept)

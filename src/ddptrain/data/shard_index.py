@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddptrain.data.split import SPLITS
+from ddptrain.data.strings import Strings
 from ddptrain.errors import UserError, printable
 
 FORMAT, VERSION = "ddptrain-packed", 1
@@ -41,7 +42,7 @@ class SplitIndex:
 
     shards: list[str]  # relative paths
     shard_bytes: list[int]
-    names: list[str]
+    names: Strings
     shard: np.ndarray  # per sample: its shard's position in `shards`
     offset: np.ndarray
     size: np.ndarray
@@ -52,7 +53,7 @@ class SplitIndex:
 
     def select(self, keep: np.ndarray) -> "SplitIndex":
         """The samples where keep (a boolean mask) is true, in their order."""
-        names = [name for name, kept in zip(self.names, keep, strict=True) if kept]
+        names = Strings(name for name, kept in zip(self.names, keep, strict=True) if kept)
         arrays = (self.shard[keep], self.offset[keep], self.size[keep], self.label[keep])
         return SplitIndex(self.shards, self.shard_bytes, names, *arrays)
 
@@ -121,7 +122,7 @@ def _split(where: str, split: str, entries, num_classes: int) -> SplitIndex:
         twice = next(name for name in names if name in seen or seen.add(name))
         raise _bad(where, f"split {split}: sample {twice!r} is listed twice")
     shard, offset, size, label = np.concatenate(columns).astype(np.int64).T
-    return SplitIndex(shards, sizes, names, shard.astype(np.int32), offset, size, label)
+    return SplitIndex(shards, sizes, Strings(names), shard.astype(np.int32), offset, size, label)
 
 
 def _samples(where: str, shard: str, samples, shard_size: int, num_classes: int):

@@ -13,19 +13,23 @@ and the last batch may be short.
 import contextlib
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
 from ddptrain.config import MAX_IMAGE_PIXELS, Config, LaunchSettings
+from ddptrain.data import fork_server
 from ddptrain.data.folder import EXTENSIONS, image_problem, load_rgb
 from ddptrain.data.remote import Remote, is_url
 from ddptrain.data.sampler import shard
 from ddptrain.data.shard_index import INDEX
 from ddptrain.data.sources import packed_at_url, source_at
 from ddptrain.data.split import SPLITS
+from ddptrain.data.strings import Strings
 from ddptrain.data.tables import is_table_set
 from ddptrain.data.workers import Loader
 from ddptrain.distributed.collectives import agree, check_same, gather_objects
@@ -55,6 +59,8 @@ class PredictRequest:
 def predict(request: PredictRequest, say, counting) -> str | None:
     """Runs on this process, one of any launcher's ranks; returns the line rank 0 shows (None
     on the other ranks). say, counting: report/progress.py's, for rank 0's warnings and bar."""
+    if request.workers > 0:
+        fork_server.start()  # it imports what loader workers need meanwhile
     env = init_distributed(request.launch, request.workers, None, say)
     try:
         return _predict(request, env, say, counting)
@@ -100,11 +106,18 @@ def _topk(asked: int | None, num_classes: int) -> int:
 @dataclass
 class Inputs:
     """The images to predict, in order: each as its row's `path` shows it, and where it is read
-    from: None for a file, (data set, sample) for an image of one of `sets`."""
+    from (`where`): a file, or a sample of one of `sets`. Compact (data/strings.py): each
+    loader worker gets a copy."""
 
-    paths: list[str] = field(default_factory=list)
-    samples: list[tuple[int, int] | None] = field(default_factory=list)
-    sets: list[tuple[object, str]] = field(default_factory=list)  # (source, split)
+    paths: Sequence[str]
+    sets: list[tuple[object, str]]  # (source, split)
+    set_of: np.ndarray  # each input's data set's position in sets; -1: a file
+    sample: np.ndarray  # its sample's position in that set's split
+
+    def where(self, position: int) -> tuple[int, int] | None:
+        """(data set, sample) of the input at position; None for a file."""
+        found = int(self.set_of[position])
+        return None if found < 0 else (found, int(self.sample[position]))
 
 
 def list_inputs(inputs: list[str], max_pixels: int = MAX_IMAGE_PIXELS, say=None) -> Inputs:
@@ -112,7 +125,7 @@ def list_inputs(inputs: list[str], max_pixels: int = MAX_IMAGE_PIXELS, say=None)
     the folder joined with their path below it, in sorted order; each data set's samples, as
     the set joined with their name (`split/...`, as `ddptrain check` names them). `say` hears
     of a URL's failed requests being tried again."""
-    found = Inputs()
+    paths, sets, set_of, sample = [], [], [], []
     for given in inputs:
         source = _data_set(given, max_pixels, say)
         if source is not None:
@@ -120,23 +133,27 @@ def list_inputs(inputs: list[str], max_pixels: int = MAX_IMAGE_PIXELS, say=None)
             base = os.path.dirname(given) if named_index else given.rstrip("/")
             for split in (split for split in SPLITS if source.has(split)):
                 names = source.names([split])
-                found.paths += [os.path.join(base, name) for name in names]
-                found.samples += [(len(found.sets), i) for i in range(len(names))]
-                found.sets.append((source, split))
-        elif os.path.isdir(given):
+                paths += [os.path.join(base, name) for name in names]
+                set_of += [len(sets)] * len(names)
+                sample += range(len(names))
+                sets.append((source, split))
+            continue
+        if os.path.isdir(given):
             below = _images_below(given)
             if not below:
                 raise UserError(
                     f"INPUT {given} holds no image files (they end in {', '.join(EXTENSIONS)})"
                 )
-            found.paths += [os.path.join(given, path) for path in below]
-            found.samples += [None] * len(below)
+            found = [os.path.join(given, path) for path in below]
         elif os.path.exists(given):
-            found.paths.append(given)
-            found.samples.append(None)
+            found = [given]
         else:
             raise UserError(f"INPUT {given} does not exist")
-    return found
+        paths += found
+        set_of += [-1] * len(found)
+        sample += [0] * len(found)
+    arrays = np.array(set_of, dtype=np.int32), np.array(sample, dtype=np.int64)
+    return Inputs(Strings(paths), sets, *arrays)
 
 
 def _data_set(given: str, max_pixels: int, say=None):
@@ -185,7 +202,7 @@ class InputImages(Dataset):
         return len(self.inputs.paths)
 
     def __getitem__(self, position: int):
-        path, sample = self.inputs.paths[position], self.inputs.samples[position]
+        path, sample = self.inputs.paths[position], self.inputs.where(position)
         try:
             if sample is None:
                 return self.transform(load_rgb(path, self.max_pixels)), position, ""

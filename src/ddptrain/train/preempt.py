@@ -13,7 +13,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ddptrain.data.workers import STOP_SIGNALS
+from ddptrain.data.fork_server import STOP_SIGNALS
 from ddptrain.distributed.collectives import start_max_on_cpu
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import Stopped
