@@ -1,6 +1,8 @@
 """Each rank's last phase goes through the process group's store: a rank that times out names
 the ranks behind it and where they were."""
 
+import os
+import signal
 import threading
 import time
 
@@ -8,6 +10,7 @@ import pytest
 import torch.distributed as dist
 from harness import run_ranks
 
+from ddptrain.distributed import phases as phases_module
 from ddptrain.distributed.phases import PUBLISH_EVERY, Phases
 
 pytestmark = pytest.mark.serial  # the tests time the ranks' waits to tenths of a second
@@ -52,6 +55,47 @@ def test_rank_0_stuck_writing_a_checkpoint_is_named_by_the_others():
     assert stalled[0] == ""
     after_eval = {0: ("checkpoint: gathering", 6, 0), 1: ("EMA evaluation", 6, 40)}
     assert run_ranks(stalled_in, 2, after_eval)[0].startswith("rank 1 was last in EMA evaluation")
+
+
+def frozen(env, who: int):
+    """Both ranks in backward of step 7; rank `who` freezes (SIGSTOP, as a host that hangs)
+    and the other, once it has waited longer than FROZEN_AFTER, says what it sees, then lets
+    the frozen one go on (SIGCONT)."""
+    phases_module.HEARTBEAT, phases_module.FROZEN_AFTER = 0.5, 2.0
+    phases = Phases(env)
+    phases.enter("backward", 7)
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    time.sleep(4 * PUBLISH_EVERY)  # published
+    if env.rank == who:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        said, took = "", 0.0
+    else:
+        time.sleep(3.0)
+        started = time.monotonic()
+        said = phases.stalled()
+        took = time.monotonic() - started
+        os.kill(pids[who], signal.SIGCONT)
+    phases.close()
+    return said, took
+
+
+def test_a_frozen_rank_is_named_in_the_same_phase_as_the_others():
+    said, took = run_ranks(frozen, 2, 1)[0]
+    assert said.startswith("rank 1 stopped answering "), said
+    assert said.endswith(
+        " s ago (a frozen process, or its host lost), in backward of global step 7"
+    )
+    assert took < 1.0
+
+
+def test_a_frozen_rank_0_holding_the_store_is_named_without_waiting_for_it():
+    said, took = run_ranks(frozen, 2, 0)[1]
+    assert said == (
+        "rank 0, which hosts the rendezvous store, stopped answering (within 3 s): a frozen "
+        "process, or its host lost"
+    )
+    assert took < phases_module.STORE_TIMEOUT + 2
 
 
 def publishers_left_after_close(env):

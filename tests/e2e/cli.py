@@ -103,8 +103,22 @@ def tcp_pair(
 ) -> list[subprocess.CompletedProcess]:
     """Two independent invocations meeting at --dist-url tcp://; rank_args: extra arguments of
     one rank, by rank; env: extra environment variables of both."""
+    procs = tcp_pair_started(*args, rank_args=rank_args, env=env)
+    done = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            p.kill()
+    return done
+
+
+def tcp_pair_started(*args, rank_args=None, env=None) -> list[subprocess.Popen]:
+    """tcp_pair's two invocations, running: the caller waits for them and kills them."""
     url = f"tcp://127.0.0.1:{free_port()}"
-    procs = [
+    return [
         subprocess.Popen(
             [
                 sys.executable,
@@ -126,15 +140,6 @@ def tcp_pair(
         )
         for rank in range(2)
     ]
-    done = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    finally:
-        for p in procs:
-            p.kill()
-    return done
 
 
 def kill_tree(pid: int, timeout: float = 60) -> None:

@@ -1,12 +1,23 @@
 """A rank that stalls must not stall the job: the others give up after --dist-timeout, and
 their error names the stalled rank and where it was (the stall sits at its first data fetch)."""
 
+import re
+import subprocess
 import time
 
 import pytest
-from cli import ddptrain, tcp_pair, tiny_args, torchrun
+from cli import (
+    ddptrain,
+    env_with,
+    kill_tree,
+    tcp_pair,
+    tcp_pair_started,
+    tiny_args,
+    torchrun,
+    torchrun_command,
+)
 
-from ddptrain.distributed.phases import ABORT_GRACE
+from ddptrain.distributed.phases import ABORT_GRACE, ORDER
 
 # A healthy rank's wait for another must stay under TIMEOUT: with another test's ranks on the
 # same 2 cores, a slow start could pass for a stall.
@@ -55,3 +66,57 @@ def test_a_stalled_rank_without_a_launcher_ends_with_the_one_that_failed(tiny_da
         "ddptrain: error: rank 0 failed (its own line says why), and rank 1, in data fetch of "
         f"global step 1, did not end with it within {ABORT_GRACE:.0f} s: ended now"
     ) in stuck.stderr
+
+
+def frozen_at(point: str, rank: int, step: int) -> dict:
+    """The environment that freezes global rank `rank` (SIGSTOP, as a host that hangs) at
+    `point` of global step `step` (faults.py)."""
+    return {"DDPTRAIN_TEST_KILL": f"{point}:{rank}:{step}", "DDPTRAIN_TEST_SIGNAL": "SIGSTOP"}
+
+
+def first_error(job: subprocess.Popen, within: float) -> str:
+    """The first `ddptrain: error:` line job writes to stderr, within `within` seconds."""
+    deadline = time.monotonic() + within
+    for line in job.stderr:
+        if line.startswith("ddptrain: error:"):
+            return line.strip()
+        assert time.monotonic() < deadline, "no error line in time"
+    raise AssertionError(f"the job ended without an error line (exit {job.wait()})")
+
+
+def test_a_frozen_rank_is_named_in_the_phase_the_others_wait_in(tiny_data, tmp_path):
+    # Frozen in backward, rank 1 stands in the phase rank 0 waits in (DDP's all-reduce): only
+    # the record's age tells them apart. bench/frozen_ranks.py freezes ranks at every point.
+    args = (*tiny_args(tiny_data, tmp_path), "--dist-timeout", TIMEOUT, "-j", 1)
+    job = subprocess.Popen(
+        torchrun_command(2, "train", *args),
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_with(**frozen_at("backward", 1, 2)),
+    )
+    try:
+        line = first_error(job, TIMEOUT + 60)
+    finally:
+        kill_tree(job.pid)
+    assert line.startswith("ddptrain: error: lost contact with another rank"), line
+    # where it was as last published (each half second), within step 2 (1 step done)
+    lost = r"\(a frozen process, or its host lost\)"
+    said = re.search(
+        rf"; rank 1 stopped answering \d+ s ago {lost}, in (.*) of global step 1$", line
+    )
+    assert said and said[1] in ORDER[:5], line
+
+
+def test_a_frozen_rank_0_holding_the_store_is_named_by_the_others(tiny_data, tmp_path):
+    args = ("train", *tiny_args(tiny_data, tmp_path), "--dist-timeout", TIMEOUT)
+    rank0, rank1 = tcp_pair_started(*args, env=frozen_at("backward", 0, 2))
+    try:
+        _, stderr = rank1.communicate(timeout=TIMEOUT + 60)
+    finally:
+        kill_tree(rank0.pid)
+        rank1.kill()
+    assert rank1.returncode == 1, stderr
+    assert (
+        "rank 0, which hosts the rendezvous store, stopped answering (within 3 s): a frozen "
+        "process, or its host lost"
+    ) in stderr

@@ -3,11 +3,15 @@ agreement, evaluation and the batch it is on, the stage of a checkpoint) and glo
 error a stalled job ends with.
 
 A rank records a phase with one tuple assignment; a daemon thread publishes the newest record
-to the process group's store twice a second when it changed, so the step loop never waits on
-the network. When a collective times out, the surviving ranks read every record from the store
-and name the ranks behind them and where they were, instead of a bare timeout. A rank stuck in
-Python (a hung loader, a lock) keeps publishing the phase it is stuck in; a frozen process's
-record is its last, at most half a second old when it froze.
+to the process group's store twice a second when it changed, and every HEARTBEAT seconds when it
+did not, with the time it published it, so the step loop never waits on the network. When a
+collective times out, the surviving ranks read every record from the store and name the ranks
+that stopped answering (whose record has not been published again for FROZEN_AFTER: a frozen
+process, or a host lost) and those behind them, and where each was, instead of a bare timeout.
+A rank stuck in Python (a hung loader, a lock) keeps publishing the phase it is stuck in, so it
+is named where it is behind; a frozen one is named wherever it froze, in the others' phase too.
+Where a stall is named, the store is given STORE_TIMEOUT to answer: where its host is the frozen
+one (rank 0, unless torchrun's agent holds the store), the line says so instead of waiting.
 
 The same thread ends a rank that another rank's failure cannot reach: a failed rank sets an
 abort flag in the store (`abort`), and a rank that sees it and has not ended on its own within
@@ -37,6 +41,12 @@ ORDER = (
     *("checkpoint: gathering", "checkpoint: writing", "checkpoint: written"),
 )
 PUBLISH_EVERY = 0.5  # seconds
+HEARTBEAT = 2.0  # seconds: the record is published at least this often, changed or not
+# Seconds since a rank last published before it counts as no longer answering: 3 heartbeats,
+# and above the clock differences between hosts kept in time (NTP: milliseconds); below the
+# least --dist-timeout worth having (10 s), after which a frozen rank's record is that old.
+FROZEN_AFTER = 3 * HEARTBEAT
+STORE_TIMEOUT = 3.0  # seconds the store is given to answer where a stall is being named
 JOIN_WITHIN = 5.0  # seconds: a store call on a lost host gives up later; exit then anyway
 _KEY = "ddptrain/phase/{rank}"
 _ENDED = "ddptrain/ended_reported"
@@ -51,7 +61,9 @@ class Phases:
     def __init__(self, env: DistEnv):
         self.env = env
         self.current = ("setup", 0, time.time(), 0)  # (phase, global step, when, count)
-        self._store = _default_store() if env.distributed else None
+        store = _default_store() if env.distributed else None
+        self._store, self._publishing = _client(store), _client(store)  # the caller's, its own
+        self._silent = False  # the store stopped answering this rank's calls
         self._stopped = threading.Event()
         self.ending = False  # this rank is on its way out: it reports its own end
         self._publisher = None
@@ -84,31 +96,33 @@ class Phases:
     def abort(self) -> None:
         """This rank failed: the flag that ends the ranks its failure does not reach."""
         self.ending = True
-        if self._store is not None:
+        if self._store is not None and not self._silent:
             # A store whose host is gone: the others lose it too, and their collectives fail.
             with contextlib.suppress(Exception):
-                self._store.set(_ABORT, str(self.env.rank))
+                _answered(lambda: self._store.set(_ABORT, str(self.env.rank)))
 
     def end_together(self, within: float = END_WITHIN) -> None:
         """After this rank printed why it ends: waits until every rank has (or `within` seconds
         passed). A launcher ends all ranks as soon as the first exits, which would cut off a
         rank with more to print before its line (rank 0's list of bad images)."""
-        if self._store is None:
+        if self._store is None or self._silent:
             return
         deadline = time.monotonic() + within
-        try:
+
+        def wait() -> None:
             self._store.add(_ENDED, 1)
             while self._store.add(_ENDED, 0) < self.env.world_size:
                 if time.monotonic() > deadline:
                     return  # the others are elsewhere (a collective, a hang): not ending with us
                 time.sleep(0.05)
-        except Exception:  # the store's host is gone: nobody left to wait for
-            pass
+
+        with contextlib.suppress(Exception):  # the store's host is gone: nobody to wait for
+            _answered(wait, within + STORE_TIMEOUT)
 
     def _watch(self) -> None:
         """Publishes this rank's phase when it changed, and ends it once another rank failed
         and it did not end on its own within ABORT_GRACE."""
-        published, failed, seen, tick = None, None, 0.0, 0
+        published, failed, seen, tick, beat = None, None, 0.0, 0, 0.0
         while not self._stopped.wait(PUBLISH_EVERY):
             tick += 1
             if failed is not None:  # the store may be gone by now: it is not needed any more
@@ -117,11 +131,12 @@ class Phases:
                 continue
             current = self.current
             try:
-                if current != published:
-                    self._store.set(_KEY.format(rank=self.env.rank), json.dumps(current))
-                    published = current
-                if tick % ABORT_POLL == 0 and self._store.check([_ABORT]):
-                    failed, seen = int(self._store.get(_ABORT)), time.monotonic()
+                if current != published or time.monotonic() - beat >= HEARTBEAT:
+                    record = json.dumps([*current, time.time()])  # and when it was published
+                    self._publishing.set(_KEY.format(rank=self.env.rank), record)
+                    published, beat = current, time.monotonic()
+                if tick % ABORT_POLL == 0 and self._publishing.check([_ABORT]):
+                    failed, seen = int(self._publishing.get(_ABORT)), time.monotonic()
             except Exception:  # the store's host is gone: nothing left to tell or hear
                 return
 
@@ -134,46 +149,104 @@ class Phases:
         )
         sys.stdout.flush()
         with contextlib.suppress(Exception):  # a failed rank in end_together need not wait
-            self._store.add(_ENDED, 1)
+            self._publishing.add(_ENDED, 1)
         os._exit(1)  # the main thread is blocked where no exception reaches it
 
     def stalled(self, limit: int = 8) -> str:
-        """Names the ranks behind this one and their last phase, from the store: for the error
-        of a collective that timed out. Empty when the store has nothing to say."""
+        """Names the ranks that stopped answering, and those behind this one, with their last
+        phase, from the store: for the error of a collective that timed out. Empty when the
+        store has nothing to say."""
         if self._store is None:
             return ""
-        mine = _position(self.current)
-        behind = []
-        for rank in range(self.env.world_size):
-            record = None if rank == self.env.rank else _read(self._store, rank)
-            if record is not None and _position(record) < mine:
-                behind.append((rank, record))
-        if not behind:
-            return ""
-        now = time.time()
-        named = [
-            f"rank {rank} was last in {phase}{f', batch {count},' if count else ''} of global "
-            f"step {step} ({now - when:.0f} s ago)"
-            for rank, (phase, step, when, count) in sorted(behind, key=lambda r: _position(r[1]))
-        ]
+        others = [rank for rank in range(self.env.world_size) if rank != self.env.rank]
+        try:
+            read = _answered(lambda: {rank: _read(self._store, rank) for rank in others})
+        except _NoAnswer:
+            self._silent = True
+            return _store_silent()
+        records = {rank: record for rank, record in read.items() if record is not None}
+        now, mine = time.time(), _position(self.current)
+        frozen = {r for r, record in records.items() if now - record[4] > FROZEN_AFTER}
+        behind = {r for r, record in records.items() if _position(record) < mine} - frozen
+        named = [_frozen_line(r, records[r], now) for r in sorted(frozen)]
+        by_position = sorted(behind, key=lambda r: _position(records[r]))
+        named += [_behind_line(r, records[r], now) for r in by_position]
         more = f"; and {len(named) - limit} more ranks" if len(named) > limit else ""
         return "; ".join(named[:limit]) + more
 
 
+class _NoAnswer(Exception):
+    """The store did not answer within STORE_TIMEOUT."""
+
+
+def _answered(call, within: float = STORE_TIMEOUT):
+    """call()'s result, where it comes within `within` seconds; else _NoAnswer. On a thread of
+    its own: a store client waits on a host that stopped answering (a frozen rank 0) for as
+    long as its socket lives, whatever its timeout says (torch 2.14's TCPStore), so the thread
+    is left waiting there."""
+    done, outcome = threading.Event(), []
+
+    def run() -> None:
+        try:
+            outcome.append((call(), None))
+        except Exception as err:
+            outcome.append((None, err))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="ddptrain-store-call", daemon=True).start()
+    if not done.wait(within):
+        raise _NoAnswer()
+    result, error = outcome[0]
+    if error is not None:
+        raise error
+    return result
+
+
+def _where(record) -> str:
+    phase, step, _, count, _ = record
+    return f"{phase}{f', batch {count},' if count else ''} of global step {step}"
+
+
+def _frozen_line(rank: int, record, now: float) -> str:
+    return (
+        f"rank {rank} stopped answering {now - record[4]:.0f} s ago (a frozen process, or its "
+        f"host lost), in {_where(record)}"
+    )
+
+
+def _behind_line(rank: int, record, now: float) -> str:
+    return f"rank {rank} was last in {_where(record)} ({now - record[2]:.0f} s ago)"
+
+
+def _store_silent() -> str:
+    """What a store that stopped answering says: its host is frozen or lost. torchrun's agent
+    holds the store (TORCHELASTIC_USE_AGENT_STORE), else rank 0's process does."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        host = "torchrun's agent on the first node, which holds the rendezvous store,"
+    else:
+        host = "rank 0, which hosts the rendezvous store,"
+    return (
+        f"{host} stopped answering (within {STORE_TIMEOUT:.0f} s): a frozen process, or its "
+        "host lost"
+    )
+
+
 def _position(record) -> tuple[int, int, int]:
-    phase, step, _, count = record
+    phase, step, _, count = record[:4]  # a rank's own current, or a record read
     return step, ORDER.index(phase) if phase in ORDER else len(ORDER), count
 
 
 def _read(store: dist.Store, rank: int):
+    """rank's record, None where it has none."""
     key = _KEY.format(rank=rank)
     try:
         if not store.check([key]):  # get would wait for a key that never comes
             return None
-        phase, step, when, count = json.loads(store.get(key))
+        phase, step, when, count, beat = json.loads(store.get(key))
     except Exception:
         return None
-    return phase, int(step), float(when), int(count)
+    return phase, int(step), float(when), int(count), float(beat)
 
 
 def _default_store() -> dist.Store | None:
@@ -184,3 +257,14 @@ def _default_store() -> dist.Store | None:
         return get() if get is not None else None
     except Exception:
         return None
+
+
+def _client(store: dist.Store | None) -> dist.Store | None:
+    """A client of store of its own, for one thread (torch's advice for a store used from
+    several); the store itself where it makes no second client (a FileStore)."""
+    if store is None:
+        return None
+    try:
+        return store.clone()
+    except Exception:
+        return store
