@@ -203,25 +203,33 @@ def _not_empty(flag: str, path: str | None) -> None:
         raise UserError(f"{flag}: the path is empty")
 
 
+# Where credentials go instead of a URL: what the 401/403 lines and the refusal below say.
+CREDENTIALS_ADVICE = (
+    "give them as the backend reads them (~/.netrc for HTTP(S); the environment, such as "
+    "AWS_ACCESS_KEY_ID for s3://): docs/data.md"
+)
+
+
 def check_no_credentials(url: str | None, what: str) -> None:
-    """Refuses a URL that holds a user name or password: DATA is recorded to resume the run
-    (config.json, every checkpoint, trackers), and named in error lines. The URL is shown with
-    them masked."""
+    """Refuses a URL that holds a user name or password, in any link of an fsspec chain
+    (`simplecache::https://...`): DATA is recorded to resume the run (config.json, every
+    checkpoint, trackers), and named in error lines. The URL is shown with them masked."""
     if url is None or "://" not in url or url.startswith("file://"):
         return
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError as err:
-        raise UserError(f"{what} {url.split('@')[-1]}: not a URL ({err})") from None
-    if parts.username is None and parts.password is None:
-        return
-    masked = parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
-    raise UserError(
-        f"{what} {masked} holds a user name or password, which would be recorded with the "
-        "run's settings: leave them out of the URL and give them as the backend reads them "
-        "(~/.netrc for HTTP(S); the environment, such as AWS_ACCESS_KEY_ID for s3://): "
-        "docs/data.md"
-    )
+    links = url.split("::")
+    for i, link in enumerate(links):
+        try:
+            parts = urllib.parse.urlsplit(link)
+        except ValueError as err:
+            raise UserError(f"{what} {link.split('@')[-1]}: not a URL ({err})") from None
+        if parts.username is None and parts.password is None:
+            continue
+        links[i] = parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
+        raise UserError(
+            f"{what} {'::'.join(links)} holds a user name or password, which would be "
+            f"recorded with the run's settings: leave them out of the URL and "
+            f"{CREDENTIALS_ADVICE}"
+        )
 
 
 @dataclass(frozen=True)

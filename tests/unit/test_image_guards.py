@@ -9,6 +9,7 @@ append_images=[green, green]`."""
 
 import io
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,6 @@ def libheif() -> bool:
 
 
 def test_a_heic_is_bounded_by_the_size_its_header_declares():
-    assert folder.decode_problem(ONE, max_pixels=64 * 64) is None
     assert folder.decode_problem(ONE, max_pixels=1000) == (
         "its header declares 64 x 64 = 4,096 pixels, more than --max-image-pixels 1,000 "
         "(a decompression bomb, or raise the limit)"
@@ -63,16 +63,34 @@ def test_a_heic_whose_header_gives_no_size_is_refused():
     assert heif.is_heif(cut)
 
 
+def box(kind: bytes, content: bytes, full: bool = False) -> bytes:
+    """An ISO BMFF box; `full`: with a version and flags (0) first."""
+    content = b"\0\0\0\0" + content if full else content
+    return struct.pack(">I4s", 8 + len(content), kind) + content
+
+
+def test_every_ipma_box_ties_its_sizes_as_libheif_reads_them():
+    ispe = [box(b"ispe", struct.pack(">II", *size), full=True) for size in ((64, 64), (10**5,) * 2)]
+    # item 1 to property 1, item 2 to property 2, each in an ipma box of its own
+    ipma = [box(b"ipma", struct.pack(">IHBB", 1, i, 1, i), full=True) for i in (1, 2)]
+    iprp = box(b"iprp", box(b"ipco", b"".join(ispe)) + b"".join(ipma))
+    data = box(b"ftyp", b"heic\0\0\0\0mif1heic") + box(b"meta", iprp, full=True)
+    assert heif.image_sizes(data) == [(64, 64), (10**5, 10**5)]
+    assert "= 10,000,004,096 pixels, more than" in folder.decode_problem(data)
+
+
 def test_the_images_of_a_multi_image_heic_are_bounded_together():
     assert heif.image_sizes(THREE) == [(64, 64)] * 3
     assert folder.decode_problem(THREE, max_pixels=3 * 4096 - 1) == (
-        "its header declares 3 images of up to 64 x 64, in all = 12,288 pixels, more than "
+        "its header declares 3 coded images (a grid's tiles each count) of up to 64 x 64, in "
+        "all = 12,288 pixels, more than "
         "--max-image-pixels 12,287 (a decompression bomb, or raise the limit)"
     )
 
 
 @pytest.mark.skipif(not libheif(), reason="TorchCodec finds no libheif to decode HEIC with")
 def test_a_multi_image_heic_gives_its_first_image():
+    assert folder.decode_problem(ONE, max_pixels=64 * 64) is None
     image = folder.decode_rgb(THREE, "three.heic")
     assert image.shape == (3, 48, 64)
     red, green, _ = image.float().mean(dim=(1, 2)).tolist()

@@ -1,3 +1,4 @@
+import os
 import signal
 import socket
 import time
@@ -154,7 +155,12 @@ def test_ddptrains_own_default_cache_is_taken_even_unmarked(
 
 
 @pytest.mark.parametrize(
-    "url", ["https://ann:hunter2@example.com/set", "s3://KEY:hunter2@bucket/x"]
+    "url",
+    [
+        "https://ann:hunter2@example.com/set",
+        "s3://KEY:hunter2@bucket/x",
+        "simplecache::https://ann:hunter2@example.com/set",
+    ],
 )
 def test_a_url_holding_a_password_is_refused_without_showing_it(url):
     for refuse in (lambda: Remote(url), lambda: Config(data=url)):
@@ -221,3 +227,17 @@ def test_a_stop_request_while_waiting_for_a_server_is_not_taken_for_a_failure(
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_write_that_died_has_its_temp_file_evicted_once_stale(files, http_server, tmp_path):
+    cache = tmp_path / "cache"
+    remote = Remote(http_server(files, ranges=False), cache, 0)
+    remote.read("shard.tar", 0, 1, len(BLOB))
+    (set_folder,) = (p for p in cache.iterdir() if p.is_dir())
+    stale, fresh = set_folder / ".other.tar.abcd1234", set_folder / ".other.tar.efgh5678"
+    for temp in (stale, fresh):
+        temp.write_bytes(BLOB)
+    os.utime(stale, (time.time() - 7200,) * 2)  # as a rank killed mid-write two hours ago
+    (files / "other.tar").write_bytes(BLOB)
+    remote.read("other.tar", 0, 1, len(BLOB))
+    assert not stale.exists() and fresh.exists()  # a fresh one may be another rank's write

@@ -207,6 +207,10 @@ def first_sample(index, split="train"):
             lambda i: first_sample(i).__setitem__(0, "\ud800.png"),
             r"sample 0: '\\ud800.png' is no file name's text",
         ),
+        (  # escapes of the bytes of "é": a second name for "é.png"
+            lambda i: first_sample(i).__setitem__(0, "\udcc3\udca9.png"),
+            r"sample 0: '\\udcc3\\udca9.png' is no file name's text",
+        ),
         (lambda i: i.update(classes=["a", "\ud800", "b"]), '"classes" must be a list of'),
         (lambda i: i["splits"]["val"][1].update(samples={}), "samples must be a list"),
         (

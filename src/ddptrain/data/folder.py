@@ -134,9 +134,14 @@ def _read(path: str, max_pixels: int | None = None) -> bytes:
         if why := too_large(found.st_size, max_pixels):
             raise _Unreadable(why)
         with open(path, "rb") as f:
-            return f.read()
+            if max_pixels is None:
+                return f.read()
+            encoded = f.read(max_file_bytes(max_pixels) + 1)  # one that grew since: no more
     except OSError as err:
         raise _Unreadable(err.strerror) from None
+    if why := too_large(len(encoded), max_pixels):
+        raise _Unreadable(why)
+    return encoded
 
 
 class _Header(NamedTuple):
@@ -214,7 +219,9 @@ def _check_header(encoded: bytes, max_pixels: int | None) -> _Header:
         width, height = max(sizes, key=lambda size: size[0] * size[1])
         declared = f"{width} x {height}"
         if len(sizes) > 1:
-            declared = f"{len(sizes)} images of up to {declared}, in all"
+            declared = (
+                f"{len(sizes)} coded images (a grid's tiles each count) of up to {declared}, in all"
+            )
         raise _Unreadable(
             f"its header declares {declared} = {pixels:,} pixels, more than "
             f"--max-image-pixels {max_pixels:,} (a decompression bomb, or raise the limit)"
@@ -280,7 +287,8 @@ class ImageFolder(datasets.ImageFolder):
 
     @targets.setter
     def targets(self, value) -> None:
-        """torchvision's __init__ sets them from the samples, whose labels they stay."""
+        """torchvision's __init__ sets them from the samples: they stay the samples' labels."""
+        assert list(value) == [label for _, label in self.samples], "set the samples instead"
 
     def __getitem__(self, index: int):
         path, target = self.samples[index]

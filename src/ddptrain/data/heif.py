@@ -31,17 +31,20 @@ def is_heif(data: bytes) -> bool:
 
 def image_sizes(data: bytes) -> list[tuple[int, int]]:
     """(width, height) of each coded image the file declares, as its ispe properties give them
-    (one per image that has one). Raises Damaged."""
+    (one per image tied to one, by every ipma box: libheif reads them all). Raises Damaged."""
     meta_start, meta_end = _child(data, (0, len(data)), b"meta")
     iprp = _child(data, (meta_start + 4, meta_end), b"iprp")  # meta: a full box, 4 bytes first
-    properties = [(kind, start) for kind, start, _ in _boxes(data, *_child(data, iprp, b"ipco"))]
+    properties = list(_boxes(data, *_child(data, iprp, b"ipco")))
     sizes = []
-    for index in _associations(data, _child(data, iprp, b"ipma")[0]):
-        if not 1 <= index <= len(properties):
-            raise Damaged(f"ipma ties an image to property {index} of {len(properties)}")
-        kind, start = properties[index - 1]
-        if kind == b"ispe":  # a full box: version and flags, then width and height
-            sizes.append(struct.unpack_from(">II", data, _within(data, start + 4, 8)))
+    for ipma in (span for kind, *span in _boxes(data, *iprp) if kind == b"ipma"):
+        for index in _associations(data, *ipma):
+            if index == 0:  # "no property"
+                continue
+            if index > len(properties):
+                raise Damaged(f"ipma ties an image to property {index} of {len(properties)}")
+            kind, start, end = properties[index - 1]
+            if kind == b"ispe":  # a full box: version and flags, then width and height
+                sizes.append(struct.unpack_from(">II", data, _within(start + 4, 8, end)))
     if not sizes:
         raise Damaged("no image size (ispe) in its header")
     return sizes
@@ -50,10 +53,10 @@ def image_sizes(data: bytes) -> list[tuple[int, int]]:
 def _boxes(data: bytes, start: int, end: int):
     """(type, content start, content end) of each box from start to end."""
     while start < end:
-        size, kind = struct.unpack_from(">I4s", data, _within(data, start, 8))
+        size, kind = struct.unpack_from(">I4s", data, _within(start, 8, end))
         header = 8
         if size == 1:
-            (size,) = struct.unpack_from(">Q", data, _within(data, start + 8, 8))
+            (size,) = struct.unpack_from(">Q", data, _within(start + 8, 8, end))
             header = 16
         elif size == 0:  # to the end of its parent
             size = end - start
@@ -71,23 +74,24 @@ def _child(data: bytes, span: tuple[int, int], kind: bytes) -> tuple[int, int]:
     raise Damaged(f"no {kind.decode()} box")
 
 
-def _associations(data: bytes, ipma: int):
-    """The property indices (1-based) that ipma ties to any image."""
-    version, flags, entries = struct.unpack_from(">B3sI", data, _within(data, ipma, 8))
-    at = ipma + 8
+def _associations(data: bytes, start: int, end: int):
+    """The property indices (1-based; 0: none) that an ipma box's content ties to images."""
+    version, flags, entries = struct.unpack_from(">B3sI", data, _within(start, 8, end))
+    wide = int.from_bytes(flags, "big") & 1  # 16 bits an index, else 8; the top bit apart
+    size = 2 if wide else 1
+    at = start + 8
     for _ in range(entries):
         at += 4 if version >= 1 else 2  # the item's id
-        count = data[_within(data, at, 1)]
+        count = data[_within(at, 1, end)]
         at += 1
-        wide = int.from_bytes(flags, "big") & 1  # 16 bits an index, else 8; the top bit apart
         for _ in range(count):
-            size = 2 if wide else 1
-            value = int.from_bytes(data[_within(data, at, size) : at + size], "big")
+            value = int.from_bytes(data[_within(at, size, end) : at + size], "big")
             yield value & (0x7FFF if wide else 0x7F)
             at += size
 
 
-def _within(data: bytes, at: int, size: int) -> int:
-    if at + size > len(data):
+def _within(at: int, size: int, end: int) -> int:
+    """at, where size bytes from it lie before end (their box's, or the file's)."""
+    if at + size > end:
         raise Damaged("cut short")
     return at

@@ -15,7 +15,7 @@ import time
 import urllib.parse
 from pathlib import Path
 
-from ddptrain.config import check_no_credentials
+from ddptrain.config import CREDENTIALS_ADVICE, check_no_credentials
 from ddptrain.data import synth
 from ddptrain.data.shard_cache import ShardCache, set_folder
 from ddptrain.errors import Stopped, UserError, first_line
@@ -135,10 +135,9 @@ class Remote:
 
             if self._fs is not None:
                 _inherited.append(self._fs)
-            protocol = fsspec.core.split_protocol(self.base)[0]
             # Not fsspec's instance cache either: it would hand a worker its parent's client.
             self._fs, _ = fsspec.core.url_to_fs(
-                self.base, skip_instance_cache=True, **_options(protocol)
+                self.base, skip_instance_cache=True, **_options(self.base)
             )
             self._pid = os.getpid()
         return self._fs
@@ -161,9 +160,7 @@ class Remote:
                 failure = err
             if getattr(failure, "status", None) in (401, 403):
                 raise UserError(
-                    f"{url}: access denied ({failure.status}): give credentials as the "
-                    "server's client reads them (~/.netrc for HTTP; the environment or config "
-                    "files of fsspec's backend, such as AWS_ACCESS_KEY_ID for s3://)"
+                    f"{url}: access denied ({failure.status}): {CREDENTIALS_ADVICE}"
                 ) from None
             if attempt == RETRIES:
                 raise UserError(
@@ -185,9 +182,21 @@ class Remote:
         )
 
 
-def _options(protocol: str) -> dict:
-    """The file system's options: TIMEOUT, where ddptrain knows its backend's names for it,
-    and, for HTTP, credentials and proxies from the environment (~/.netrc, HTTPS_PROXY)."""
+def _options(url: str) -> dict:
+    """The options of the file system that reaches the server: the URL's own, or in an fsspec
+    chain (`simplecache::https://...`) its last link's, which take them by its protocol."""
+    import fsspec
+
+    links = url.split("::")
+    protocol = fsspec.core.split_protocol(links[-1])[0]
+    options = _reaching(protocol)
+    return {protocol: options} if len(links) > 1 and options else options
+
+
+def _reaching(protocol: str) -> dict:
+    """The options of a backend that reaches a server: TIMEOUT, where ddptrain knows its names
+    for it, and, for HTTP, credentials and proxies from the environment (~/.netrc,
+    HTTPS_PROXY)."""
     if protocol in ("http", "https"):
         import aiohttp
 

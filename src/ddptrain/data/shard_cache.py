@@ -12,6 +12,7 @@ import os
 import re
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 from ddptrain.data.shard_index import SAFE_PART
@@ -24,6 +25,8 @@ _MARKER_TEXT = (
 )
 # What _set_folder names: a set's copies live in one of these, never elsewhere.
 _SET_FOLDER = re.compile(r"[^/]{0,48}-[0-9a-f]{16}-(?:[0-9a-f]{16})?")
+_TEMP = re.compile(r"\.[A-Za-z0-9._-]+\.[a-z0-9_]{8}")  # keep's, tempfile.mkstemp's name
+STALE_TEMP = 3600  # seconds: a temp file older than this was left by a write that died
 
 
 class ShardCache:
@@ -108,7 +111,8 @@ class ShardCache:
 
     def _copies(self):
         """(modified, size, path) of each copy: regular files of shard names in set folders of
-        a marked cache; links are not followed."""
+        a marked cache, and the temp files of a write that a killed process left there an
+        hour ago or more; links are not followed."""
         if not (self.folder / MARKER).is_file():
             return
         for entry in os.scandir(self.folder):
@@ -117,12 +121,14 @@ class ShardCache:
             for where, folders, files in os.walk(entry.path):
                 folders[:] = [f for f in folders if SAFE_PART.fullmatch(f)]
                 for name in files:
-                    if not SAFE_PART.fullmatch(name) or name.startswith("."):
-                        continue  # a temp file (keep), or no name of ours
+                    temp = _TEMP.fullmatch(name)
+                    if not (temp or SAFE_PART.fullmatch(name) and not name.startswith(".")):
+                        continue  # no name of ours
                     path = Path(where, name)
                     with contextlib.suppress(FileNotFoundError):
                         found = path.lstat()
-                        if stat.S_ISREG(found.st_mode):
+                        stale = not temp or time.time() - found.st_mtime > STALE_TEMP
+                        if stat.S_ISREG(found.st_mode) and stale:
                             yield found.st_mtime, found.st_size, path
 
 

@@ -168,14 +168,14 @@ def _list_of_names(value) -> bool:
 
 def _file_name(name) -> bool:
     """A non-empty string that a file name's bytes give (os.fsdecode's surrogate escapes, but
-    no other lone surrogate: it could not be written to a file, a digest or a terminal)."""
+    no other lone surrogate, which could not be written to a file, a digest or a terminal, and
+    no escapes of bytes that are UTF-8, which two different names would share)."""
     if not isinstance(name, str) or not name:
         return False
     try:
-        os.fsencode(name)
+        return os.fsdecode(os.fsencode(name)) == name  # escapes of bytes that decode: no
     except UnicodeEncodeError:
         return False
-    return True
 
 
 def _bad(where: str, what: str) -> UserError:
