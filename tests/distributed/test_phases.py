@@ -98,6 +98,30 @@ def test_a_frozen_rank_0_holding_the_store_is_named_without_waiting_for_it():
     assert took < phases_module.STORE_TIMEOUT + 2
 
 
+def ended_then_waited_for(env):
+    """Rank 1 fails (abort: its record says it is ending) and stops publishing; rank 0, longer
+    than FROZEN_AFTER later, names no frozen rank."""
+    phases_module.HEARTBEAT, phases_module.FROZEN_AFTER = 0.5, 2.0
+    phases = Phases(env)
+    phases.enter("forward", 3)
+    time.sleep(4 * PUBLISH_EVERY)
+    if env.rank == 1:
+        phases.abort()
+        phases.close()
+    dist.barrier()
+    said = ""
+    if env.rank == 0:
+        time.sleep(3.0)
+        said = phases.stalled()
+    dist.barrier()
+    phases.close()
+    return said
+
+
+def test_a_rank_that_failed_and_ended_is_not_called_frozen():
+    assert run_ranks(ended_then_waited_for, 2)[0] == ""
+
+
 def publishers_left_after_close(env):
     phases = Phases(env)
     for step in range(20):  # keep the publisher busy with new records up to the close

@@ -6,8 +6,9 @@ A rank records a phase with one tuple assignment; a daemon thread publishes the 
 to the process group's store twice a second when it changed, and every HEARTBEAT seconds when it
 did not, with the time it published it, so the step loop never waits on the network. When a
 collective times out, the surviving ranks read every record from the store and name the ranks
-that stopped answering (whose record has not been published again for FROZEN_AFTER: a frozen
-process, or a host lost) and those behind them, and where each was, instead of a bare timeout.
+that stopped answering (whose record has not been published again for FROZEN_AFTER, and does
+not say the rank was ending: a frozen process, or a host lost) and those behind them, and where
+each was, instead of a bare timeout.
 A rank stuck in Python (a hung loader, a lock) keeps publishing the phase it is stuck in, so it
 is named where it is behind; a frozen one is named wherever it froze, in the others' phase too.
 Where a stall is named, the store is given STORE_TIMEOUT to answer: where its host is the frozen
@@ -47,6 +48,7 @@ HEARTBEAT = 2.0  # seconds: the record is published at least this often, changed
 # least --dist-timeout worth having (10 s), after which a frozen rank's record is that old.
 FROZEN_AFTER = 3 * HEARTBEAT
 STORE_TIMEOUT = 3.0  # seconds the store is given to answer where a stall is being named
+READ_WITHIN = 30.0  # seconds to read every rank's record, once the store answered at all
 JOIN_WITHIN = 5.0  # seconds: a store call on a lost host gives up later; exit then anyway
 _KEY = "ddptrain/phase/{rank}"
 _ENDED = "ddptrain/ended_reported"
@@ -94,12 +96,23 @@ class Phases:
             self._publisher.join(timeout=JOIN_WITHIN)
 
     def abort(self) -> None:
-        """This rank failed: the flag that ends the ranks its failure does not reach."""
+        """This rank failed: the flag that ends the ranks its failure does not reach, and its
+        record marked ended (not frozen, when it stops being published)."""
         self.ending = True
-        if self._store is not None and not self._silent:
-            # A store whose host is gone: the others lose it too, and their collectives fail.
-            with contextlib.suppress(Exception):
-                _answered(lambda: self._store.set(_ABORT, str(self.env.rank)))
+        if self._store is None or self._silent:
+            return
+        record = self._record(ended=True)
+
+        def tell() -> None:
+            self._store.set(_KEY.format(rank=self.env.rank), record)
+            self._store.set(_ABORT, str(self.env.rank))
+
+        try:  # a store whose host is gone: the others lose it too, and their collectives fail
+            _answered(tell)
+        except _NoAnswer:
+            self._silent = True
+        except Exception:
+            pass
 
     def end_together(self, within: float = END_WITHIN) -> None:
         """After this rank printed why it ends: waits until every rank has (or `within` seconds
@@ -125,20 +138,26 @@ class Phases:
         published, failed, seen, tick, beat = None, None, 0.0, 0, 0.0
         while not self._stopped.wait(PUBLISH_EVERY):
             tick += 1
-            if failed is not None:  # the store may be gone by now: it is not needed any more
-                if time.monotonic() - seen > ABORT_GRACE and not self.ending:
-                    self._end_now(failed)
-                continue
+            if failed is not None and time.monotonic() - seen > ABORT_GRACE and not self.ending:
+                self._end_now(failed)
             current = self.current
             try:
+                if self.ending:
+                    return  # its record says so (abort), and stays as it is
                 if current != published or time.monotonic() - beat >= HEARTBEAT:
-                    record = json.dumps([*current, time.time()])  # and when it was published
+                    record = self._record(current)
                     self._publishing.set(_KEY.format(rank=self.env.rank), record)
                     published, beat = current, time.monotonic()
-                if tick % ABORT_POLL == 0 and self._publishing.check([_ABORT]):
+                if failed is None and tick % ABORT_POLL == 0 and self._publishing.check([_ABORT]):
                     failed, seen = int(self._publishing.get(_ABORT)), time.monotonic()
             except Exception:  # the store's host is gone: nothing left to tell or hear
-                return
+                if failed is None:
+                    return
+
+    def _record(self, current: tuple | None = None, ended: bool = False) -> str:
+        """This rank's record as published: its phase, when it published it, and whether it
+        is on its way out."""
+        return json.dumps([*(current or self.current), time.time(), ended])
 
     def _end_now(self, failed: int) -> None:
         phase, step, _, _ = self.current
@@ -158,15 +177,22 @@ class Phases:
         store has nothing to say."""
         if self._store is None:
             return ""
-        others = [rank for rank in range(self.env.world_size) if rank != self.env.rank]
-        try:
-            read = _answered(lambda: {rank: _read(self._store, rank) for rank in others})
+        try:  # one call a live store answers at once, whatever the job's size
+            _answered(lambda: self._store.check([_KEY.format(rank=self.env.rank)]))
         except _NoAnswer:
             self._silent = True
             return _store_silent()
-        records = {rank: record for rank, record in read.items() if record is not None}
+        except Exception:
+            return ""
+        others = [rank for rank in range(self.env.world_size) if rank != self.env.rank]
+        try:
+            records = _answered(lambda: _records(self._store, others), READ_WITHIN)
+        except Exception:  # slow rather than silent: better no names than wrong ones
+            return ""
         now, mine = time.time(), _position(self.current)
-        frozen = {r for r, record in records.items() if now - record[4] > FROZEN_AFTER}
+        frozen = {
+            r for r, (*_, beat, ended) in records.items() if not ended and now - beat > FROZEN_AFTER
+        }
         behind = {r for r, record in records.items() if _position(record) < mine} - frozen
         named = [_frozen_line(r, records[r], now) for r in sorted(frozen)]
         by_position = sorted(behind, key=lambda r: _position(records[r]))
@@ -204,7 +230,7 @@ def _answered(call, within: float = STORE_TIMEOUT):
 
 
 def _where(record) -> str:
-    phase, step, _, count, _ = record
+    phase, step, _, count = record[:4]
     return f"{phase}{f', batch {count},' if count else ''} of global step {step}"
 
 
@@ -237,16 +263,28 @@ def _position(record) -> tuple[int, int, int]:
     return step, ORDER.index(phase) if phase in ORDER else len(ORDER), count
 
 
-def _read(store: dist.Store, rank: int):
-    """rank's record, None where it has none."""
-    key = _KEY.format(rank=rank)
+def _records(store: dist.Store, ranks: list[int]) -> dict:
+    """The records of ranks that have one, in one round trip where all have (a get would wait
+    for a key that never comes)."""
+    keys = [_KEY.format(rank=rank) for rank in ranks]
+    if store.check(keys):
+        found = dict(zip(ranks, store.multi_get(keys), strict=True))
+    else:
+        found = {
+            rank: store.get(key)
+            for rank, key in zip(ranks, keys, strict=True)
+            if store.check([key])
+        }
+    records = {rank: _parsed(raw) for rank, raw in found.items()}
+    return {rank: record for rank, record in records.items() if record is not None}
+
+
+def _parsed(raw: bytes):
     try:
-        if not store.check([key]):  # get would wait for a key that never comes
-            return None
-        phase, step, when, count, beat = json.loads(store.get(key))
-    except Exception:
+        phase, step, when, count, beat, ended = json.loads(raw)
+        return phase, int(step), float(when), int(count), float(beat), bool(ended)
+    except (ValueError, TypeError):
         return None
-    return phase, int(step), float(when), int(count), float(beat)
 
 
 def _default_store() -> dist.Store | None:
