@@ -103,7 +103,11 @@ def tcp_pair(
 ) -> list[subprocess.CompletedProcess]:
     """Two independent invocations meeting at --dist-url tcp://; rank_args: extra arguments of
     one rank, by rank; env: extra environment variables of both."""
-    procs = tcp_pair_started(*args, rank_args=rank_args, env=env)
+    return finished(tcp_pair_started(*args, rank_args=rank_args, env=env), timeout)
+
+
+def finished(procs: list[subprocess.Popen], timeout=DEADLINE) -> list[subprocess.CompletedProcess]:
+    """What each of procs (run together, text pipes) printed once all ended; killed if not."""
     done = []
     try:
         for p in procs:

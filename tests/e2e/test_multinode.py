@@ -6,10 +6,10 @@ import sys
 
 import pytest
 from cli import (
-    DEADLINE,
     assert_same_training,
     assert_same_weights,
     env_with,
+    finished,
     ok,
     tiny_args,
     torchrun,
@@ -29,15 +29,7 @@ def run_together(commands: list[list[str]], envs: list[dict]) -> list[subprocess
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for cmd, env in zip(commands, envs, strict=True)
     ]
-    done = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=DEADLINE)
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    finally:
-        for p in procs:
-            p.kill()
-    return done
+    return finished(procs)
 
 
 def test_two_torchrun_agents_equal_one_agent_with_two_ranks(tiny_data, tmp_path, one_agent):

@@ -108,4 +108,20 @@ def test_a_killed_loader_leaves_no_worker_or_fork_server_behind():
     finally:
         loader.kill()  # SIGKILL: nothing of the loader's process runs after it
         loader.wait()
-    assert wait_gone(worker) and wait_gone(server)
+    assert wait_gone(worker, 60) and wait_gone(server, 60)
+
+
+def test_a_frozen_fork_server_does_not_outlive_the_loaders_process():
+    code = LOADER_THEN_WAIT.format(tests=str(Path(__file__).parent)).replace(
+        "time.sleep(600)",
+        "sys.stdin.readline()",  # ends when told, as a run that is done
+    )
+    loader = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    worker, server = map(int, loader.stdout.readline().split())
+    os.kill(server, signal.SIGSTOP)  # frozen: nothing but SIGKILL ends it
+    os.kill(worker, signal.SIGSTOP)
+    loader.communicate("\n", timeout=240)
+    assert loader.returncode == 0
+    assert wait_gone(worker, 60) and wait_gone(server, 60)

@@ -14,7 +14,9 @@ process and ends the worker when it goes. The server ends when the process that 
 A dataset is pickled to each of its workers, not shared by the fork.
 """
 
+import atexit
 import contextlib
+import glob
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
@@ -44,6 +46,8 @@ def start() -> None:
     once: it imports PRELOAD on its own while the caller goes on, and the first worker waits
     for it. The CLI and the run call it early, to have it ready by their first batch; Loader,
     before any worker starts."""
+    if _running(pid()):  # called at every loader's start: the environment is left alone
+        return
     multiprocessing.set_forkserver_preload(PRELOAD)  # not "__main__": it would run the CLI
     # Started first, on its own: starting it unblocks SIGINT and SIGTERM in this thread.
     multiprocessing.resource_tracker.ensure_running()
@@ -60,6 +64,52 @@ def start() -> None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+    if stop not in _registered:
+        atexit.register(stop)
+        _registered.append(stop)
+
+
+_registered: list = []
+
+
+def stop() -> None:
+    """Ends the fork server and what is left of its workers (SIGKILL), at this process's exit.
+    Both would end on their own once it is gone, but for one that is frozen (SIGSTOP): a frozen
+    server would outlive the job, holding its resource tracker, and only SIGKILL ends it. No
+    loader of this process runs by then (torch leaves its workers to end by themselves at
+    exit)."""
+    server = pid()
+    if server is None:
+        return
+    for child in [*_children(server), server]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+def _running(process: int | None) -> bool:
+    """Whether the process runs (not ended, not a zombie), without reaping it: multiprocessing
+    reaps its dead server itself, and restarts it."""
+    fields = _stat(process) if process is not None else None
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def _children(parent: int) -> list[int]:
+    found = []
+    for entry in glob.glob("/proc/[0-9]*"):
+        fields = _stat(int(entry[6:]))
+        if fields is not None and int(fields[1]) == parent:
+            found.append(int(entry[6:]))
+    return found
+
+
+def _stat(process: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (state, parent, ...), None for a
+    process that is gone."""
+    try:
+        with open(f"/proc/{process}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
 
 
 def pid() -> int | None:

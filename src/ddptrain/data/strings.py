@@ -1,10 +1,10 @@
 """Many strings in two arrays: a data set's file paths or sample names, as loader workers get them.
 
 A dataset goes to each loader worker pickled (data/fork_server.py). A million paths as a list
-of str are a million objects: 387 MiB in each worker for ImageNet's 1.28 million
-(bench/worker_start.py), and, in a worker forked instead, copied page by page as reading them
-touches their reference counts. Here they are one bytes object and one array of offsets: one
-copy of the bytes in each worker, untouched by reading. Names that are not UTF-8 (a file name's
+of str are a million objects in each worker (docs/performance.md measures ImageNet's), and, in
+a worker forked instead, copied page by page as reading them touches their reference counts.
+Here they are one bytes object and one array of offsets: one copy of the bytes in each worker,
+untouched by reading. Names that are not UTF-8 (a file name's
 bytes, os.fsdecode's surrogate escapes) come back as they went in.
 """
 
