@@ -354,6 +354,23 @@ SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"
               "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")  # fmt: skip
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below pid, parents before their children (Linux's /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(0), [])
+        found += below
+        todo += below
+    return found
+
+
 def machine() -> dict:
     """What the figures were measured on."""
     try:

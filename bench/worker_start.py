@@ -8,8 +8,8 @@ pickled rather than shared by the fork.
 Start-up: `ddptrain train` of resnet18 on a small generated folder (32 px, `-b 16`, `-j 2`,
 one epoch, 8 steps), in a fresh process each time, the two kinds alternating; "fork" is the
 same code with the fork server replaced by the fork context (the loaders as they were). Times
-are from the process's start to its first step's progress line and to the line that ends the
-epoch, after its evaluation.
+are from the process's start to its first train batch (its first step) and to its first
+evaluation's first batch.
 Memory: two workers of a loader over 1,281,167 ImageNet-like (path, class) samples whose
 images are never read, kept as a list (torchvision's ImageFolder) or compact (ddptrain's,
 folder.Samples), each worker's unique and proportional memory (USS, PSS, from
@@ -49,24 +49,47 @@ def use_fork() -> None:
     fork_server.start = lambda: None
 
 
+# Run as the CLI runs (the fork server started before torch is imported), with the loaders'
+# first batches timed; "fork" swaps the fork server for the fork context first.
+TIMED_CLI = """
+import json, multiprocessing, sys, time
+from ddptrain.data import fork_server
+if sys.argv[1] == "fork":  # as use_fork, without importing bench (and so torch) first
+    fork_server.CONTEXT = multiprocessing.get_context("fork")
+    fork_server.start = lambda: None
+else:
+    fork_server.start()
+from ddptrain.data import workers
+from ddptrain.cli import main
+
+seen, plain_iter = {}, workers.Loader.__iter__
+
+def timed_iter(loader):
+    which = "train" if type(loader.dataset).__name__ == "SeededSamples" else "val"
+    for batch in plain_iter(loader):
+        seen.setdefault(which, time.time())
+        yield batch
+
+workers.Loader.__iter__ = timed_iter
+code = main(sys.argv[3:])
+with open(sys.argv[2], "w") as out:
+    json.dump(seen, out)
+sys.exit(code)
+"""
+
+
 def one_start(kind: str, data: str) -> dict:
-    """The CLI's `train` in a fresh process: seconds from its start to its first step's line
-    and to the line of its first epoch's end, after the first evaluation."""
+    """`ddptrain train` in a fresh process: seconds from its start to its first train batch and
+    to its first evaluation's first batch."""
     flags = ("--image-size", "32", "-b", "16", "-j", "2", "--epochs", "1", "--seed", "0")
     with tempfile.TemporaryDirectory() as out:
-        argv = ["train", data, *flags, "-p", "1", "--progress", "lines", "--out-dir", out]
-        code = "import sys; from ddptrain.cli import main; sys.exit(main(sys.argv[1:]))"
-        if kind == "fork":
-            code = f"import bench.worker_start as w; w.use_fork(); {code}"
-        started, seen = time.monotonic(), {}
-        job = subprocess.Popen(python("-c", code, *argv), stdout=subprocess.PIPE, text=True)
-        for line in job.stdout:
-            if line.startswith("epoch 1/1 ["):
-                seen.setdefault("train", time.monotonic() - started)
-            elif line.startswith("epoch 1/1 done"):
-                seen.setdefault("val", time.monotonic() - started)
-        assert job.wait() == 0 and len(seen) == 2, seen
-    return seen
+        times = Path(out) / "times.json"
+        argv = ["train", data, *flags, "--progress", "none", "--out-dir", f"{out}/run"]
+        started = time.time()
+        subprocess.run(
+            python("-c", TIMED_CLI, kind, str(times), *argv), check=True, capture_output=True
+        )
+        return {which: at - started for which, at in json.loads(times.read_text()).items()}
 
 
 def startup(repeats: int, data: str) -> dict:
@@ -163,7 +186,7 @@ def main() -> None:
         memories[kind] = json.loads(result.stdout.strip().splitlines()[-1])
     for kind, took in times.items():
         print(
-            f"{kind:>10}: first step {took['train_s']:.2f} s, first epoch with its evaluation "
+            f"{kind:>10}: first step {took['train_s']:.2f} s, first evaluation's first batch "
             f"{took['val_s']:.2f} s (medians of {args.repeats})"
         )
     for kind, found in memories.items():
