@@ -125,3 +125,28 @@ def test_a_frozen_fork_server_does_not_outlive_the_loaders_process():
     loader.communicate("\n", timeout=240)
     assert loader.returncode == 0
     assert wait_gone(worker, 60) and wait_gone(server, 60)
+
+
+def test_a_rank_ended_now_takes_its_frozen_loader_worker_with_it():
+    # As phases ends a rank that did not end with a failed one (its loader waiting on a frozen
+    # worker): os._exit, no atexit. Found by bench/chaos_soak.py.
+    code = LOADER_THEN_WAIT.format(tests=str(Path(__file__).parent)).replace(
+        "time.sleep(600)",
+        "import torch\n"
+        "from ddptrain.distributed.env import DistEnv\n"
+        "from ddptrain.distributed.phases import Phases\n"
+        "sys.stdin.readline()\n"
+        "Phases(DistEnv(1, 1, 0, 1, torch.device('cpu')))._end_now(failed=0)",
+    )
+    loader = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    worker, server = map(int, loader.stdout.readline().split())
+    os.kill(worker, signal.SIGSTOP)
+    _, stderr = loader.communicate("\n", timeout=240)
+    assert loader.returncode == 1 and "ended now" in stderr
+    assert wait_gone(worker, 60) and wait_gone(server, 60)

@@ -30,6 +30,7 @@ import time
 
 import torch.distributed as dist
 
+from ddptrain.data import fork_server
 from ddptrain.distributed.env import DistEnv
 from ddptrain.errors import write_line
 
@@ -169,6 +170,9 @@ class Phases:
         sys.stdout.flush()
         with contextlib.suppress(Exception):  # a failed rank in end_together need not wait
             self._publishing.add(_ENDED, 1)
+        # os._exit skips atexit, which ends the loader workers: one frozen (SIGSTOP) cannot end
+        # itself, and would keep its fork server and resource tracker alive after the job.
+        fork_server.stop()
         os._exit(1)  # the main thread is blocked where no exception reaches it
 
     def stalled(self, limit: int = 8) -> str:
