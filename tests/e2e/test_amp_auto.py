@@ -25,7 +25,9 @@ def test_auto_is_shown_saved_resolved_and_kept_on_resume(tiny_data, tmp_path):
 
 def test_auto_without_a_seed_takes_what_the_cpu_computes_fastest(tiny_data, tmp_path):
     expected, reason = auto_amp("cpu", bf16_units(torch.device("cpu")))
-    args = tiny_args(tiny_data, tmp_path, "--image-size", BF16_CROP)  # bf16 where the CPU has it
+    # bf16 where the CPU has it; --lr 0: without a seed the start differs each time, and the
+    # test is about the choice, not whether this run's bf16 training stays finite
+    args = tiny_args(tiny_data, tmp_path, "--image-size", BF16_CROP, "--lr", "0")
     del args[args.index("--seed") : args.index("--seed") + 2]
     result = ok(ddptrain("train", *args))
     assert f"amp {expected} ({reason})" in result.stdout

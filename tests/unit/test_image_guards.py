@@ -138,6 +138,13 @@ def _text(size: int):
     return info
 
 
-def test_an_image_that_decodes_to_more_than_one_frame_is_refused():
-    with pytest.raises(Exception, match=r"decodes to \(2, 3, 4, 5\), not one RGB image"):
-        folder._one_frame(torch.zeros(2, 3, 4, 5, dtype=torch.uint8))
+def test_an_image_that_decodes_to_more_than_one_frame_is_refused(monkeypatch):
+    # frames its header did not declare: as a decoder giving more than it was asked for
+    monkeypatch.setattr(folder, "decode_image", lambda *a, **k: torch.zeros(2, 3, 4, 5))
+    encoded = io.BytesIO()
+    Image.new("RGB", (5, 4)).save(encoded, "PNG")
+    with pytest.raises(UserError) as raised:
+        folder.decode_rgb(encoded.getvalue(), "x.png")
+    assert str(raised.value).startswith(
+        "cannot read image x.png: it decodes to (2, 3, 4, 5), not one RGB image (3, H, W)"
+    )
