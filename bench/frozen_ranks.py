@@ -99,7 +99,10 @@ def watch(jobs: list[subprocess.Popen], timeout: float, freeze=None) -> dict:
                 frozen_at = time.monotonic()
         time.sleep(0.1)
     took = time.monotonic() - frozen_at if frozen_at and lines else None
-    return {"line": lines[0] if lines else None, "seconds": took and round(took, 1)}
+    found = {"line": lines[0] if lines else None, "seconds": took and round(took, 1)}
+    if not lines:  # ended without an error (frozen after its last collective?), or still waits
+        found["exit codes"] = [job.poll() for job in jobs]
+    return found
 
 
 def end(jobs: list[subprocess.Popen]) -> None:
@@ -199,6 +202,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dist-timeout", type=int, default=10)
     parser.add_argument("--instants", type=int, default=8)
+    parser.add_argument("--instants-only", action="store_true", help="skip the points")
     args = parser.parse_args()
     from ddptrain.data.synth import SynthSpec, write
 
@@ -206,7 +210,7 @@ def main() -> None:
         data = write(
             SynthSpec(classes=3, train_per_class=8, val_per_class=5, size=24), Path(folder)
         )
-        points = at_points(data, args.dist_timeout)
+        points = [] if args.instants_only else at_points(data, args.dist_timeout)
         instants = at_instants(data, args.dist_timeout, args.instants)
     named = sum(r["named"] for r in points + instants)
     print(f"{named} of {len(points) + len(instants)} errors name the frozen rank's place")

@@ -84,7 +84,7 @@ def test_a_frozen_rank_is_named_in_the_same_phase_as_the_others():
     said, took = run_ranks(frozen, 2, 1)[0]
     assert said.startswith("rank 1 stopped answering "), said
     assert said.endswith(
-        " s ago (a frozen process, or its host lost), in backward of global step 7"
+        " s ago (a frozen process, or its host lost), last seen in backward of global step 7"
     )
     assert took < 1.0
 

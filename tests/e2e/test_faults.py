@@ -115,7 +115,8 @@ def test_a_frozen_rank_is_named_in_the_phase_the_others_wait_in(tiny_data, tmp_p
     # step 1's data fetch to the backward it froze in, never beyond it.
     lost = r"\(a frozen process, or its host lost\)"
     said = re.search(
-        rf"; rank 1 stopped answering \d+ s ago {lost}, in (.*) of global step (\d+)$", line
+        rf"; rank 1 stopped answering \d+ s ago {lost}, last seen in (.*) of global step (\d+)$",
+        line,
     )
     assert said and said[1] in ORDER[:5], line
     position = (int(said[2]), ORDER.index(said[1]))

@@ -241,7 +241,7 @@ def _where(record) -> str:
 def _frozen_line(rank: int, record, now: float) -> str:
     return (
         f"rank {rank} stopped answering {now - record[4]:.0f} s ago (a frozen process, or its "
-        f"host lost), in {_where(record)}"
+        f"host lost), last seen in {_where(record)}"
     )
 
 
