@@ -24,6 +24,7 @@ Runtime facts (rank, device, per-rank batch) live in `DistEnv`, never here.
 import dataclasses
 import functools
 import math
+import re
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -210,26 +211,23 @@ CREDENTIALS_ADVICE = (
 )
 
 
+# A URL's authority (from `scheme://` to the next /, ? or #) holding an "@": a user name or
+# password, wherever it stands in an fsspec chain (`simplecache::https://...`), and whatever it
+# holds ("::" included, which a split into the chain's links would cut).
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+
+
 def check_no_credentials(url: str | None, what: str) -> None:
-    """Refuses a URL that holds a user name or password, in any link of an fsspec chain
-    (`simplecache::https://...`): DATA is recorded to resume the run (config.json, every
-    checkpoint, trackers), and named in error lines. The URL is shown with them masked."""
-    if url is None or "://" not in url or url.startswith("file://"):
+    """Refuses a URL that holds a user name or password, in any link of an fsspec chain:
+    DATA is recorded to resume the run (config.json, every checkpoint, trackers), and named in
+    error lines. The URL is shown with them masked."""
+    if url is None or not _USERINFO.search(url):
         return
-    links = url.split("::")
-    for i, link in enumerate(links):
-        try:
-            parts = urllib.parse.urlsplit(link)
-        except ValueError as err:
-            raise UserError(f"{what} {link.split('@')[-1]}: not a URL ({err})") from None
-        if parts.username is None and parts.password is None:
-            continue
-        links[i] = parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
-        raise UserError(
-            f"{what} {'::'.join(links)} holds a user name or password, which would be "
-            f"recorded with the run's settings: leave them out of the URL and "
-            f"{CREDENTIALS_ADVICE}"
-        )
+    masked = _USERINFO.sub(r"\1***@", url)
+    raise UserError(
+        f"{what} {masked} holds a user name or password, which would be recorded with the "
+        f"run's settings: leave them out of the URL and {CREDENTIALS_ADVICE}"
+    )
 
 
 @dataclass(frozen=True)

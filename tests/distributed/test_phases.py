@@ -99,8 +99,8 @@ def test_a_frozen_rank_0_holding_the_store_is_named_without_waiting_for_it():
 
 
 def ended_then_waited_for(env):
-    """Rank 1 fails (abort: its record says it is ending) and stops publishing; rank 0, longer
-    than FROZEN_AFTER later, names no frozen rank."""
+    """Rank 1 fails (abort: its record says it is ending) and stops publishing; rank 0, a
+    phase ahead and longer than FROZEN_AFTER later, names it behind, not frozen."""
     phases_module.HEARTBEAT, phases_module.FROZEN_AFTER = 0.5, 2.0
     phases = Phases(env)
     phases.enter("forward", 3)
@@ -111,6 +111,7 @@ def ended_then_waited_for(env):
     dist.barrier()
     said = ""
     if env.rank == 0:
+        phases.within_step("backward")
         time.sleep(3.0)
         said = phases.stalled()
     dist.barrier()
@@ -119,7 +120,9 @@ def ended_then_waited_for(env):
 
 
 def test_a_rank_that_failed_and_ended_is_not_called_frozen():
-    assert run_ranks(ended_then_waited_for, 2)[0] == ""
+    said = run_ranks(ended_then_waited_for, 2)[0]
+    assert said.startswith("rank 1 was last in forward of global step 3 ("), said
+    assert "stopped answering" not in said
 
 
 def publishers_left_after_close(env):

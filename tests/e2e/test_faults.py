@@ -111,16 +111,17 @@ def test_a_frozen_rank_is_named_in_the_phase_the_others_wait_in(tiny_data, tmp_p
     finally:
         kill_tree(job.pid)
     assert line.startswith("ddptrain: error: lost contact with another rank"), line
-    # Where it was as last published (each half second, so up to half a second behind): from
-    # step 1's data fetch to the backward it froze in, never beyond it.
+    # Where it was as last published, at most twice a second: up to the backward it froze in,
+    # never past it (on a fast machine still setup's record, steps 1 and 2 both taken within
+    # half a second).
     lost = r"\(a frozen process, or its host lost\)"
     said = re.search(
         rf"; rank 1 stopped answering \d+ s ago {lost}, last seen in (.*) of global step (\d+)$",
         line,
     )
-    assert said and said[1] in ORDER[:5], line
-    position = (int(said[2]), ORDER.index(said[1]))
-    assert (1, 0) <= position <= (2, ORDER.index("backward")), line
+    assert said and said[1] in (*ORDER[:5], "setup"), line
+    position = (int(said[2]), ORDER.index(said[1]) if said[1] in ORDER else -1)
+    assert position <= (2, ORDER.index("backward")), line
 
 
 def test_a_frozen_rank_0_holding_the_store_is_named_by_the_others(tiny_data, tmp_path):

@@ -160,13 +160,14 @@ def test_ddptrains_own_default_cache_is_taken_even_unmarked(
         "https://ann:hunter2@example.com/set",
         "s3://KEY:hunter2@bucket/x",
         "simplecache::https://ann:hunter2@example.com/set",
+        "https://ann:hun::ter2@example.com/set",  # "::" as an fsspec chain's
     ],
 )
 def test_a_url_holding_a_password_is_refused_without_showing_it(url):
     for refuse in (lambda: Remote(url), lambda: Config(data=url)):
         with pytest.raises(UserError, match=r"holds a user name or password.*~/.netrc") as raised:
             refuse()
-        assert "hunter2" not in str(raised.value) and "***@" in str(raised.value)
+        assert "ter2" not in str(raised.value) and "***@" in str(raised.value)
 
 
 def test_credentials_come_from_netrc(files, http_server, tmp_path, monkeypatch):

@@ -136,7 +136,12 @@ def _read(path: str, max_pixels: int | None = None) -> bytes:
         with open(path, "rb") as f:
             if max_pixels is None:
                 return f.read()
-            encoded = f.read(max_file_bytes(max_pixels) + 1)  # one that grew since: no more
+            # Never more than the bound and a byte, even from a file that grew since its stat;
+            # asked for its size first: a read of n bytes reserves n before it reads.
+            limit = max_file_bytes(max_pixels) + 1
+            encoded = f.read(min(found.st_size + 1, limit))
+            if len(encoded) == found.st_size + 1 < limit:  # it grew since
+                encoded += f.read(limit - len(encoded))
     except OSError as err:
         raise _Unreadable(err.strerror) from None
     if why := too_large(len(encoded), max_pixels):

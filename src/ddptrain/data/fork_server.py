@@ -64,12 +64,12 @@ def start() -> None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    if stop not in _registered:
+    if _owner != [os.getpid()]:
+        _owner[:] = [os.getpid()]
         atexit.register(stop)
-        _registered.append(stop)
 
 
-_registered: list = []
+_owner: list[int] = []  # the process whose exit ends the server: not a child forked from it
 
 
 def stop() -> None:
@@ -79,11 +79,15 @@ def stop() -> None:
     loader of this process runs by then (torch leaves its workers to end by themselves at
     exit)."""
     server = pid()
-    if server is None:
+    if server is None or _owner != [os.getpid()]:
         return
-    for child in [*_children(server), server]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        # Stopped first: it reaps its workers as they end, and a pid it reaped could be
+        # another process's by the time it is killed.
+        os.kill(server, signal.SIGSTOP)
+        for child in [*_children(server), server]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 def _running(process: int | None) -> bool:

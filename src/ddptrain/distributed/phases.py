@@ -22,6 +22,7 @@ agent (--dist-url tcp://, SLURM's srun) nothing else would end it.
 """
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -135,19 +136,26 @@ class Phases:
 
     def _watch(self) -> None:
         """Publishes this rank's phase when it changed, and ends it once another rank failed
-        and it did not end on its own within ABORT_GRACE."""
+        and it did not end on its own within ABORT_GRACE. From then on each store call is
+        bounded (STORE_TIMEOUT): the failed rank's host may be gone, and the grace must end."""
+        key = _KEY.format(rank=self.env.rank)
         published, failed, seen, tick, beat = None, None, 0.0, 0, 0.0
         while not self._stopped.wait(PUBLISH_EVERY):
             tick += 1
             if failed is not None and time.monotonic() - seen > ABORT_GRACE and not self.ending:
                 self._end_now(failed)
+            if self.ending:
+                # Marked ended once more, after abort()'s own mark (another client's): a record
+                # of this thread's still on its way would otherwise land last, "not ended".
+                with contextlib.suppress(Exception):
+                    _answered(lambda: self._publishing.set(key, self._record(ended=True)))
+                return
             current = self.current
             try:
-                if self.ending:
-                    return  # its record says so (abort), and stays as it is
                 if current != published or time.monotonic() - beat >= HEARTBEAT:
                     record = self._record(current)
-                    self._publishing.set(_KEY.format(rank=self.env.rank), record)
+                    publish = functools.partial(self._publishing.set, key, record)
+                    publish() if failed is None else _answered(publish)
                     published, beat = current, time.monotonic()
                 if failed is None and tick % ABORT_POLL == 0 and self._publishing.check([_ABORT]):
                     failed, seen = int(self._publishing.get(_ABORT)), time.monotonic()
@@ -169,7 +177,7 @@ class Phases:
         )
         sys.stdout.flush()
         with contextlib.suppress(Exception):  # a failed rank in end_together need not wait
-            self._publishing.add(_ENDED, 1)
+            _answered(lambda: self._publishing.add(_ENDED, 1))
         # os._exit skips atexit, which ends the loader workers: one frozen (SIGSTOP) cannot end
         # itself, and would keep its fork server and resource tracker alive after the job.
         fork_server.stop()
